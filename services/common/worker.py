@@ -1,0 +1,145 @@
+"""A worker service: one vLLM server with the connector configuration of its role.
+
+``hybrid-pd prefill`` and ``hybrid-pd decode`` both run :func:`run_worker`. It
+starts vLLM as a child in its own process group, relays its output, reports
+readiness, stops vLLM on SIGTERM/SIGINT and, when vLLM fails to start, exits
+non-zero with the lines of vLLM's log that say why.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from connector.launch import Device, Role, WorkerSpec, build_launch
+from services.common.logs import kv
+from services.common.processes import spawn, stop_group
+
+__all__ = ["WorkerSettings", "run_worker", "wait_http_ok"]
+
+log = logging.getLogger("hybrid_pd.worker")
+
+
+class WorkerSettings(BaseSettings):
+    """A worker's settings: environment (``HYBRID_PD_WORKER_*``) overridden by the CLI."""
+
+    model_config = SettingsConfigDict(env_prefix="HYBRID_PD_WORKER_", protected_namespaces=())
+
+    model: str
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8100
+    side_channel_host: str = "127.0.0.1"
+    side_channel_port: int = 5600
+    device: Device = "cpu"
+    tensor_parallel_size: int = 1
+    dtype: str = "auto"
+    max_model_len: int = 2048
+    max_num_seqs: int = 8
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float | None = None
+    cpu_threads_bind: str | None = None
+    ready_timeout_s: float = 900.0
+    vllm_args: list[str] = Field(default_factory=list)
+    log_level: str = "INFO"
+
+    def spec(self, role: Role) -> WorkerSpec:
+        """The connector's view of this worker."""
+        return WorkerSpec(
+            role=role,
+            model=self.model,
+            served_model_name=self.served_model_name,
+            host=self.host,
+            port=self.port,
+            side_channel_host=self.side_channel_host,
+            side_channel_port=self.side_channel_port,
+            device=self.device,
+            tensor_parallel_size=self.tensor_parallel_size,
+            dtype=self.dtype,
+            max_model_len=self.max_model_len,
+            max_num_seqs=self.max_num_seqs,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            cpu_threads_bind=self.cpu_threads_bind,
+            extra_args=tuple(self.vllm_args),
+        )
+
+
+def wait_http_ok(url: str, alive: callable, timeout_s: float) -> bool:
+    """Poll ``url`` until it answers 200; False as soon as ``alive()`` is False or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not alive():
+            return False
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return True
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.5)
+    return False
+
+
+def _relay(stream, tail: collections.deque[str]) -> None:
+    for raw in iter(stream.readline, b""):
+        line = raw.decode(errors="replace")
+        tail.append(line.rstrip("\n"))
+        sys.stdout.write(line)
+        sys.stdout.flush()
+
+
+def _why_it_failed(tail: collections.deque[str], limit: int = 8) -> str:
+    lines = list(tail)
+    keys = ("Error", "error:", "Exception", "raise ", "FAILED")
+    picked = [line for line in lines if any(k in line for k in keys)]
+    return "\n".join((picked or lines)[-limit:])
+
+
+def run_worker(role: Role, settings: WorkerSettings) -> int:
+    """Run one vLLM server for ``role`` until it exits or we are told to stop; return the exit code."""
+    launch = build_launch(settings.spec(role))
+    log.info("starting vLLM %s", kv(role=role, port=settings.port, side_channel=settings.side_channel_port))
+    log.debug("vLLM command: %s", " ".join(launch.argv))
+    proc = spawn(launch.argv, launch.env, log=subprocess.PIPE)
+    tail: collections.deque[str] = collections.deque(maxlen=400)
+    relay = threading.Thread(target=_relay, args=(proc.stdout, tail), daemon=True)
+    relay.start()
+
+    stopping = threading.Event()
+
+    def _stop(signum: int, _frame: object) -> None:
+        stopping.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _stop)
+
+    health = f"http://{settings.host}:{settings.port}/health"
+    if wait_http_ok(health, lambda: proc.poll() is None and not stopping.is_set(), settings.ready_timeout_s):
+        log.info("ready %s", kv(role=role, url=f"http://{settings.host}:{settings.port}"))
+    elif not stopping.is_set():
+        stop_group(proc)
+        relay.join(timeout=5)
+        reason = "exited" if proc.returncode not in (None, -signal.SIGTERM) else "did not become ready"
+        log.error("vLLM %s (%s):\n%s", reason, kv(role=role, code=proc.returncode), _why_it_failed(tail))
+        return proc.returncode or 1
+
+    while not stopping.is_set() and proc.poll() is None:
+        stopping.wait(0.5)
+    if proc.poll() is not None:
+        relay.join(timeout=5)
+        log.error("vLLM exited %s:\n%s", kv(role=role, code=proc.returncode), _why_it_failed(tail))
+        return proc.returncode or 1
+    log.info("stopping %s", kv(role=role))
+    stop_group(proc)
+    return 0

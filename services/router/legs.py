@@ -1,0 +1,64 @@
+"""The two legs of a disaggregated request, as pure functions over JSON bodies.
+
+vLLM's NIXL pull protocol: the prefill worker runs the prompt with
+``max_tokens=1`` and ``do_remote_decode``; it answers with ``kv_transfer_params``
+that tell the decode worker where to read the state. The decode worker gets the
+client's own request plus those parameters, unchanged, and pulls the state over
+NIXL. For hybrid models the prefill stops at token N-1 and the decode worker
+recomputes token N, so the token the prefill samples is never shown to the client.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["PREFILL_KV_TRANSFER_PARAMS", "prefill_body", "decode_body", "merge_usage"]
+
+# What the prefill leg asks for: keep the state for a remote decode worker to pull.
+PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+# Fields of the client's request that make no sense for a one-token, non-streamed prefill.
+_DROPPED_FOR_PREFILL = ("stream", "stream_options", "min_tokens")
+
+
+def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The prefill leg's request: the client's request cut to one token, not streamed."""
+    out = {k: v for k, v in body.items() if k not in _DROPPED_FOR_PREFILL}
+    out["max_tokens"] = 1
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    out["stream"] = False
+    out["kv_transfer_params"] = dict(PREFILL_KV_TRANSFER_PARAMS)
+    return out
+
+
+def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any] | None) -> dict[str, Any]:
+    """The decode leg's request: the client's request plus the prefill's transfer parameters.
+
+    Without parameters (the prefill had no state to hand over) the decode worker
+    prefills locally; the client's request goes as it came.
+    """
+    if kv_transfer_params is None:
+        return dict(body)
+    return {**body, "kv_transfer_params": kv_transfer_params}
+
+
+def merge_usage(prefill_usage: dict[str, Any] | None, decode_usage: dict[str, Any] | None) -> dict[str, Any] | None:
+    """One usage for the client: prompt tokens (and cache hits) from prefill, completion from decode."""
+    if decode_usage is None:
+        return None
+    if prefill_usage is None:
+        return decode_usage
+    prompt = prefill_usage.get("prompt_tokens", decode_usage.get("prompt_tokens", 0))
+    completion = decode_usage.get("completion_tokens", 0)
+    merged = {**decode_usage, "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    if prefill_usage.get("prompt_tokens_details") is not None:
+        merged["prompt_tokens_details"] = prefill_usage["prompt_tokens_details"]
+    return merged

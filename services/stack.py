@@ -1,0 +1,171 @@
+"""A whole P/D deployment on one machine: N prefill + M decode workers and the router.
+
+``hybrid-pd up`` and the end-to-end tests both use :class:`Stack`. Each service
+runs as the same ``hybrid-pd prefill|decode|router`` command a container runs, in
+its own process group, so stopping the stack stops every process it started.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from subprocess import Popen
+
+from services.common.logs import kv
+from services.common.processes import free_port, spawn, stop_group
+from services.common.worker import wait_http_ok
+
+__all__ = ["Service", "Stack", "StackConfig", "StackError", "wait_forever"]
+
+log = logging.getLogger("hybrid_pd.stack")
+
+
+class StackError(RuntimeError):
+    """A service of the stack failed to start."""
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    """What to start. Ports of workers are picked free at start unless given."""
+
+    model: str
+    served_model_name: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    prefill: int = 1
+    decode: int = 1
+    device: str = "cpu"
+    baseline: bool = False
+    log_dir: Path = field(default_factory=lambda: Path.cwd() / ".hybrid-pd" / "logs")
+    ready_timeout_s: float = 900.0
+    worker_args: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Service:
+    """One process of the stack: its name, command and the URL that answers when it is ready."""
+
+    name: str
+    argv: list[str]
+    url: str
+    health: str
+
+
+def _cli() -> list[str]:
+    return [sys.executable, "-m", "services.cli"]
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+class Stack:
+    """Start, check and stop a local P/D deployment."""
+
+    def __init__(self, config: StackConfig) -> None:
+        self.config = config
+        self.services = self._plan()
+        self._procs: dict[str, Popen] = {}
+
+    @property
+    def url(self) -> str:
+        """The router's base URL, the one public endpoint."""
+        return f"http://{self.config.host}:{self.config.port}"
+
+    def workers(self, role: str) -> list[Service]:
+        return [s for s in self.services if s.name.startswith(role)]
+
+    def _plan(self) -> list[Service]:
+        cfg = self.config
+        services: list[Service] = []
+        index = 0
+        roles = (("prefill", cfg.prefill), ("decode", cfg.decode), ("colocated", int(cfg.baseline)))
+        for role, count in roles:
+            for i in range(count):
+                port = free_port()
+                argv = _cli() + [
+                    role,
+                    "--model", cfg.model,
+                    "--served-model-name", cfg.served_model_name,
+                    "--host", "127.0.0.1",
+                    "--port", str(port),
+                    "--device", cfg.device,
+                    *cfg.worker_args,
+                ]  # fmt: skip
+                if role != "colocated":
+                    argv += ["--side-channel-port", str(free_port())]
+                if cfg.device == "cpu":
+                    argv += ["--cpu-threads-bind", str(index % _cores())]
+                index += 1
+                url = f"http://127.0.0.1:{port}"
+                services.append(Service(f"{role}-{i}", argv, url, url + "/health"))
+        router = _cli() + ["router", "--host", cfg.host, "--port", str(cfg.port)]
+        for role in ("prefill", "decode"):
+            for s in services:
+                if s.name.startswith(role):
+                    router += ["--" + role, s.url]
+        services.append(Service("router", router, self.url, self.url + "/health"))
+        return services
+
+    def start(self) -> None:
+        """Start every service and wait until all are ready; raise StackError if one is not."""
+        self.config.log_dir.mkdir(parents=True, exist_ok=True)
+        for service in self.services:
+            self._procs[service.name] = spawn(service.argv, log=self.log_path(service.name))
+        for service in self.services:
+            proc = self._procs[service.name]
+            if not wait_http_ok(service.health, lambda: proc.poll() is None, self.config.ready_timeout_s):
+                self.stop()
+                raise StackError(f"{service.name} did not become ready; see {self.log_path(service.name)}")
+            self._check_identity(service)
+            log.info("ready %s", kv(service=service.name, url=service.url))
+
+    def _check_identity(self, service: Service) -> None:
+        """Make sure the port answers with our process, not another one on a shared machine."""
+        if service.name == "router":
+            with urllib.request.urlopen(service.health, timeout=5) as resp:
+                health = json.load(resp)
+            ours = {s.url for s in self.workers("prefill") + self.workers("decode")}
+            if set(health.get("prefill", [])) | set(health.get("decode", [])) != ours:
+                raise StackError(f"{service.url} is another router: {health}")
+            return
+        with urllib.request.urlopen(service.url + "/v1/models", timeout=5) as resp:
+            models = json.load(resp)
+        roots = {m.get("root") for m in models.get("data", [])}
+        if self.config.model not in roots:
+            self.stop()
+            raise StackError(f"{service.url} serves {roots}, not our {self.config.model}")
+
+    def log_path(self, name: str) -> Path:
+        return self.config.log_dir / f"{name}.log"
+
+    def failed(self) -> list[str]:
+        """Names of services whose process has exited."""
+        return [name for name, proc in self._procs.items() if proc.poll() is not None]
+
+    def stop(self) -> None:
+        """Stop every service (router first), waiting for each process group to end."""
+        for name in reversed(list(self._procs)):
+            stop_group(self._procs.pop(name))
+
+    def __enter__(self) -> Stack:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def wait_forever(stack: Stack, poll_s: float = 1.0) -> str | None:
+    """Block until a service exits (return its name); KeyboardInterrupt propagates."""
+    while True:
+        failed = stack.failed()
+        if failed:
+            return failed[0]
+        time.sleep(poll_s)
