@@ -22,7 +22,7 @@ log = logging.getLogger("hybrid_pd.cli")
 
 
 def _worker_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="model directory (or name vLLM can load offline)")
+    p.add_argument("--model", help="model directory (default: the embedded tiny hybrid model)")
     p.add_argument("--served-model-name", help="the model name clients use (default: --model)")
     p.add_argument("--host", help="HTTP bind address of the vLLM server")
     p.add_argument("--port", type=int, help="HTTP port of the vLLM server")
@@ -125,14 +125,10 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def _run_up(args: argparse.Namespace) -> int:
-    from services.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+    from services.default_model import resolve_model
     from services.stack import Stack, StackConfig, StackError, wait_forever
 
-    if args.model:
-        model, name = args.model, args.model
-    else:
-        log.info("building the embedded default model (first use only)")
-        model, name = str(ensure_default_model()), DEFAULT_MODEL_NAME
+    model, name = resolve_model(args.model)
     config = StackConfig(
         model=model,
         served_model_name=name,

@@ -20,7 +20,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-__all__ = ["DEFAULT_MODEL_NAME", "build_default_model", "default_model_dir", "ensure_default_model"]
+__all__ = ["DEFAULT_MODEL_NAME", "build_default_model", "default_model_dir", "ensure_default_model", "resolve_model"]
 
 DEFAULT_MODEL_NAME = "hybrid-pd-tiny"
 
@@ -144,3 +144,14 @@ def ensure_default_model() -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def resolve_model(model: str | None, served_model_name: str | None = None) -> tuple[str, str]:
+    """``(model path, served name)``: the given model, or the embedded default when none is given.
+
+    Every service resolves the default the same way, so a prefill and a decode
+    worker started without ``--model`` (in two containers, say) serve identical bytes.
+    """
+    if model:
+        return model, served_model_name or model
+    return str(ensure_default_model()), served_model_name or DEFAULT_MODEL_NAME

@@ -24,6 +24,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from connector.launch import Device, Role, WorkerSpec, build_launch
 from services.common.logs import kv
 from services.common.processes import spawn, stop_group
+from services.default_model import resolve_model
 
 __all__ = ["WorkerSettings", "run_worker", "wait_http_ok"]
 
@@ -35,7 +36,7 @@ class WorkerSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="HYBRID_PD_WORKER_", protected_namespaces=())
 
-    model: str
+    model: str = ""  # empty: the embedded default model
     served_model_name: str | None = None
     host: str = "127.0.0.1"
     port: int = 8100
@@ -54,11 +55,12 @@ class WorkerSettings(BaseSettings):
     log_level: str = "INFO"
 
     def spec(self, role: Role) -> WorkerSpec:
-        """The connector's view of this worker."""
+        """The connector's view of this worker (builds the default model if none is set)."""
+        model, served_model_name = resolve_model(self.model, self.served_model_name)
         return WorkerSpec(
             role=role,
-            model=self.model,
-            served_model_name=self.served_model_name,
+            model=model,
+            served_model_name=served_model_name,
             host=self.host,
             port=self.port,
             side_channel_host=self.side_channel_host,
