@@ -31,15 +31,18 @@ log = logging.getLogger("hybrid_pd.router")
 _JSON = "application/json"
 
 
-def create_app(settings: RouterSettings) -> FastAPI:
-    """Build the router app for ``settings``; its HTTP client lives as long as the app."""
+def create_app(settings: RouterSettings, transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
+    """Build the router app for ``settings``; its HTTP client lives as long as the app.
+
+    ``transport`` replaces the network (tests of protocol edge cases only).
+    """
     pool = StaticPool(settings.prefill, settings.decode)
     timeout = httpx.Timeout(settings.request_timeout_s, connect=settings.connect_timeout_s)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-        async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        async with httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport) as client:
             app.state.client = client
             yield
 

@@ -1,0 +1,161 @@
+"""``hybrid-pd eval gsm8k``: GSM8K accuracy of an endpoint, and of P/D against a baseline.
+
+Wired into ``hybrid-pd`` by :func:`add_eval_parser` and :func:`run_eval`; also runs on
+its own as ``python -m services.eval gsm8k ...``. This module only reads arguments and
+puts the pieces together: questions -> prompts -> each endpoint's generations -> scores
+-> comparison and gate -> text report on stdout (and ``--json``) -> exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["add_eval_parser", "main", "run_eval"]
+
+log = logging.getLogger("hybrid_pd.eval")
+
+DEFAULT_CONCURRENCY = 32
+DEFAULT_TOLERANCE = 0.05  # vLLM's NIXL P/D accuracy test's tolerance on gsm8k strict-match
+DEFAULT_REQUEST_TIMEOUT_S = 600.0
+
+
+def _count(minimum: int) -> Any:
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {value}")
+    return value
+
+
+def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``eval`` (with its ``gsm8k`` subcommand) to a ``hybrid-pd`` subparsers object."""
+    evaluate = subparsers.add_parser("eval", help="accuracy evaluation through the OpenAI API (e.g. P/D against colocated)")
+    _add_tasks(evaluate)
+    return evaluate
+
+
+def _add_tasks(parser: argparse.ArgumentParser) -> None:
+    """The evaluation tasks, as subcommands of ``parser`` (``args.eval_task`` names the one chosen)."""
+    from services.eval.data import DATASETS
+    from services.eval.prompts import DEFAULT_MAX_TOKENS, DEFAULT_SHOTS
+
+    tasks = parser.add_subparsers(dest="eval_task", required=True, metavar="TASK")
+    p = tasks.add_parser(
+        "gsm8k",
+        help="GSM8K, k-shot, greedy, scored like lm-eval's gsm8k task",
+        description=(
+            "Ask ENDPOINT (and BASELINE) the GSM8K test questions through /v1/completions, score them like "
+            "lm-eval's gsm8k task (strict-match, flexible-extract) and compare the two. Exit codes: 0 passed, "
+            "1 the accuracy difference or the agreement failed the gate, 3 requests failed."
+        ),
+    )
+    p.add_argument("--endpoint", required=True, metavar="URL", help="the server to evaluate, e.g. the P/D router http://router:8000")
+    p.add_argument("--baseline", metavar="URL", help="a server to compare with, e.g. colocated vLLM http://colocated:8000")
+    p.add_argument("--limit", type=_count(1), metavar="N", help="only the first N test questions (default: all)")
+    p.add_argument("--shots", type=_count(0), default=DEFAULT_SHOTS, metavar="K", help=f"solved train examples before each question (default {DEFAULT_SHOTS})")
+    p.add_argument("--concurrency", type=_count(1), default=DEFAULT_CONCURRENCY, metavar="C", help=f"requests in flight per endpoint (default {DEFAULT_CONCURRENCY})")
+    p.add_argument("--json", dest="json_out", type=Path, metavar="OUT", help="write every question's prompt, generations and scores here")
+    p.add_argument(
+        "--tolerance",
+        type=_fraction,
+        default=DEFAULT_TOLERANCE,
+        metavar="T",
+        help=f"largest allowed |strict-match accuracy difference|, in accuracy units (default {DEFAULT_TOLERANCE})",
+    )
+    p.add_argument("--min-agreement", type=_fraction, default=0.0, metavar="A", help="smallest allowed fraction of identical generations (default 0)")
+    p.add_argument("--dataset", choices=DATASETS, default="gsm8k", help="gsm8k (vendored) or synthetic problems in its format (default gsm8k)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic dataset (default 0)")
+    p.add_argument("--model", help="model name to request (default: the first of each endpoint's /v1/models)")
+    p.add_argument("--max-tokens", type=_count(1), default=DEFAULT_MAX_TOKENS, metavar="M", help=f"generation limit per question (default {DEFAULT_MAX_TOKENS})")
+    p.add_argument("--request-timeout-s", type=float, default=DEFAULT_REQUEST_TIMEOUT_S, help=f"per request (default {DEFAULT_REQUEST_TIMEOUT_S:g})")
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    """Run the ``eval`` subcommand that ``args`` names; returns the exit code."""
+    if args.eval_task == "gsm8k":
+        return _run_gsm8k(args)
+    raise ValueError(f"unknown eval task {args.eval_task!r}")
+
+
+def _run_gsm8k(args: argparse.Namespace) -> int:
+    from services.eval.client import EndpointError
+    from services.eval.data import load_problems
+    from services.eval.prompts import STOP, build_prompt, fewshot_prefix
+    from services.eval.report import EXIT_ERRORS, Gate, RunInfo, compare, format_report, json_report, write_json
+
+    problems = load_problems(args.dataset, "test", limit=args.limit, seed=args.seed)
+    shots = load_problems(args.dataset, "train", limit=args.shots, seed=args.seed) if args.shots else []
+    if len(shots) < args.shots:
+        log.error("the %s train split has only %d problems for --shots %d", args.dataset, len(shots), args.shots)
+        return 2
+    prefix = fewshot_prefix(shots)
+    prompts = [build_prompt(prefix, problem) for problem in problems]
+    info = RunInfo(task="gsm8k", dataset=args.dataset, shots=args.shots, max_tokens=args.max_tokens, stop=STOP, seed=args.seed if args.dataset == "synthetic" else None)
+    targets = [("endpoint", args.endpoint)] + ([("baseline", args.baseline)] if args.baseline else [])
+
+    try:
+        runs = asyncio.run(_ask_all(targets, problems, prompts, args))
+    except EndpointError as exc:
+        log.error("%s", exc)
+        return EXIT_ERRORS
+
+    comparison = compare(runs[0], runs[1]) if len(runs) == 2 else None
+    gate = Gate(tolerance=args.tolerance, min_agreement=args.min_agreement)
+    verdict = gate.check(runs, comparison)
+    print(format_report(info, runs, comparison, gate, verdict), flush=True)
+    if args.json_out is not None:
+        write_json(json_report(info, problems, prompts, runs, comparison, gate, verdict), args.json_out)
+        log.info("wrote %s", args.json_out)
+    return verdict.exit_code
+
+
+async def _ask_all(targets: Sequence[tuple[str, str]], problems: Sequence[Any], prompts: Sequence[str], args: argparse.Namespace) -> list[Any]:
+    """Each target's run, one target after the other (so they do not compete for shared hardware)."""
+    import httpx
+
+    from services.eval.client import Sampling, generate_all, resolve_model
+    from services.eval.progress import Progress
+    from services.eval.report import EndpointRun
+
+    timeout = httpx.Timeout(args.request_timeout_s, connect=min(10.0, args.request_timeout_s))
+    limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
+    runs = []
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        for role, url in targets:
+            model = args.model or await resolve_model(client, url)
+            log.info("asking %s %s (model %r) %d questions, %d at a time", role, url, model, len(prompts), args.concurrency)
+            progress = Progress(role, len(prompts))
+            started = time.perf_counter()
+            try:
+                generations = await generate_all(client, url, prompts, Sampling(model, args.max_tokens), args.concurrency, progress)
+            finally:
+                progress.close()
+            runs.append(EndpointRun.scored(role, url, model, problems, generations, time.perf_counter() - started))
+    return runs
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m services.eval ...``: the ``eval`` subcommand without the rest of ``hybrid-pd``."""
+    from services.common.logs import configure_logging
+
+    parser = argparse.ArgumentParser(prog="python -m services.eval", description=__doc__.splitlines()[0])
+    parser.add_argument("--log-level", default="INFO")
+    _add_tasks(parser)
+    args = parser.parse_args(argv)
+    configure_logging(args.log_level)
+    return run_eval(args)

