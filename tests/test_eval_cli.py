@@ -112,7 +112,23 @@ def test_identical_endpoints_pass_and_requests_are_lm_eval_like(servers, tmp_pat
     url, fake = servers
     fake.requests.clear()
     out = tmp_path / "report.json"
-    args = parse("gsm8k", "--endpoint", f"{url}/right", "--baseline", f"{url}/right2/v1", "--dataset", "synthetic", "--limit", "40", "--concurrency", "8", "--json", str(out), "--min-agreement", "1")
+    args = parse(
+        "gsm8k",
+        "--endpoint",
+        f"{url}/right",
+        "--baseline",
+        f"{url}/right2/v1",
+        "--dataset",
+        "synthetic",
+        "--limit",
+        "40",
+        "--concurrency",
+        "8",
+        "--json",
+        str(out),
+        "--min-agreement",
+        "1",
+    )
     assert run_eval(args) == 0
     stdout, stderr = capsys.readouterr()
     assert stdout.rstrip().endswith("PASS") and "identical generations  40/40 (100.0%)" in stdout
@@ -121,7 +137,12 @@ def test_identical_endpoints_pass_and_requests_are_lm_eval_like(servers, tmp_pat
     assert len(fake.requests) == 80 and 1 < fake.max_in_flight <= 8
     variant, body = fake.requests[0]
     assert body["model"] == f"fake-{variant}"  # resolved from each endpoint's /v1/models
-    assert body["temperature"] == 0.0 and body["max_tokens"] == 256 and body["stop"] == list(STOP) and body["stream"] is False
+    assert (
+        body["temperature"] == 0.0
+        and body["max_tokens"] == 256
+        and body["stop"] == list(STOP)
+        and body["stream"] is False
+    )
     shots = load_problems("synthetic", "train", limit=5)
     expected = {build_prompt(fewshot_prefix(shots), p) for p in load_problems("synthetic", "test", limit=40)}
     assert {b["prompt"] for _, b in fake.requests} == expected
@@ -138,13 +159,61 @@ def test_identical_endpoints_pass_and_requests_are_lm_eval_like(servers, tmp_pat
 
 def test_accuracy_difference_fails_the_gate(servers, capsys) -> None:
     url, _ = servers
-    args = parse("gsm8k", "--endpoint", f"{url}/half", "--baseline", f"{url}/right", "--dataset", "synthetic", "--limit", "40", "--model", "m")
+    args = parse(
+        "gsm8k",
+        "--endpoint",
+        f"{url}/half",
+        "--baseline",
+        f"{url}/right",
+        "--dataset",
+        "synthetic",
+        "--limit",
+        "40",
+        "--model",
+        "m",
+    )
     assert run_eval(args) == 1
     stdout = capsys.readouterr().out
     assert "-50.0 pts" in stdout and "FAIL: strict-match accuracy differs by -50.0 pts" in stdout
     # A generous tolerance passes the difference, but not a demand for identical generations.
-    assert run_eval(parse("gsm8k", "--endpoint", f"{url}/half", "--baseline", f"{url}/right", "--dataset", "synthetic", "--limit", "40", "--tolerance", "0.5")) == 0
-    assert run_eval(parse("gsm8k", "--endpoint", f"{url}/half", "--baseline", f"{url}/right", "--dataset", "synthetic", "--limit", "40", "--tolerance", "0.5", "--min-agreement", "0.9")) == 1
+    assert (
+        run_eval(
+            parse(
+                "gsm8k",
+                "--endpoint",
+                f"{url}/half",
+                "--baseline",
+                f"{url}/right",
+                "--dataset",
+                "synthetic",
+                "--limit",
+                "40",
+                "--tolerance",
+                "0.5",
+            )
+        )
+        == 0
+    )
+    assert (
+        run_eval(
+            parse(
+                "gsm8k",
+                "--endpoint",
+                f"{url}/half",
+                "--baseline",
+                f"{url}/right",
+                "--dataset",
+                "synthetic",
+                "--limit",
+                "40",
+                "--tolerance",
+                "0.5",
+                "--min-agreement",
+                "0.9",
+            )
+        )
+        == 1
+    )
     assert "agreement 50.0% is below the minimum 90.0%" in capsys.readouterr().out
 
 
@@ -158,39 +227,108 @@ def test_flexible_only_answers(servers, capsys) -> None:
 def test_request_errors_are_counted_and_fail(servers, tmp_path, capsys) -> None:
     url, _ = servers
     out = tmp_path / "errors.json"
-    args = parse("gsm8k", "--endpoint", f"{url}/flaky", "--baseline", f"{url}/right", "--dataset", "synthetic", "--limit", "40", "--tolerance", "1", "--json", str(out))
+    args = parse(
+        "gsm8k",
+        "--endpoint",
+        f"{url}/flaky",
+        "--baseline",
+        f"{url}/right",
+        "--dataset",
+        "synthetic",
+        "--limit",
+        "40",
+        "--tolerance",
+        "1",
+        "--json",
+        str(out),
+    )
     assert run_eval(args) == 3
     stdout = capsys.readouterr().out
-    assert "8 errors" in stdout and "error x8: HTTP 500:" in stdout and "8 of 40 requests to the endpoint failed" in stdout
+    assert (
+        "8 errors" in stdout and "error x8: HTTP 500:" in stdout and "8 of 40 requests to the endpoint failed" in stdout
+    )
     report = json.loads(out.read_text())
     assert report["verdict"]["exit_code"] == 3 and report["endpoints"]["endpoint"]["errors"] == 8
-    assert report["questions"][0]["endpoint"]["generation"] is None and "engine died" in report["questions"][0]["endpoint"]["error"]
+    assert (
+        report["questions"][0]["endpoint"]["generation"] is None
+        and "engine died" in report["questions"][0]["endpoint"]["error"]
+    )
 
 
 def test_unreachable_endpoint(capsys) -> None:
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    assert run_eval(parse("gsm8k", "--endpoint", f"http://127.0.0.1:{port}", "--dataset", "synthetic", "--limit", "3", "--model", "m")) == 3
+    assert (
+        run_eval(
+            parse(
+                "gsm8k",
+                "--endpoint",
+                f"http://127.0.0.1:{port}",
+                "--dataset",
+                "synthetic",
+                "--limit",
+                "3",
+                "--model",
+                "m",
+            )
+        )
+        == 3
+    )
     assert "3 errors" in capsys.readouterr().out
-    assert run_eval(parse("gsm8k", "--endpoint", f"http://127.0.0.1:{port}", "--dataset", "synthetic", "--limit", "3")) == 3  # no /v1/models
+    assert (
+        run_eval(parse("gsm8k", "--endpoint", f"http://127.0.0.1:{port}", "--dataset", "synthetic", "--limit", "3"))
+        == 3
+    )  # no /v1/models
 
 
 def test_vendored_gsm8k_through_the_standalone_entry_point(servers, capsys) -> None:
     url, fake = servers
     fake.requests.clear()
-    assert main(["--log-level", "WARNING", "gsm8k", "--endpoint", url + "/right", "--limit", "10", "--shots", "2", "--max-tokens", "64"]) == 0
+    assert (
+        main(
+            [
+                "--log-level",
+                "WARNING",
+                "gsm8k",
+                "--endpoint",
+                url + "/right",
+                "--limit",
+                "10",
+                "--shots",
+                "2",
+                "--max-tokens",
+                "64",
+            ]
+        )
+        == 0
+    )
     assert "gsm8k (gsm8k): 10 questions, 2-shot" in capsys.readouterr().out
     prompts = [b["prompt"] for _, b in fake.requests]
-    assert len(prompts) == 10 and all(p.startswith("Question: Natalia sold clips") and p.count("Question: ") == 3 for p in prompts)
+    assert len(prompts) == 10 and all(
+        p.startswith("Question: Natalia sold clips") and p.count("Question: ") == 3 for p in prompts
+    )
     assert all(b["max_tokens"] == 64 for _, b in fake.requests)
 
 
 def test_argument_validation() -> None:
-    for bad in (["--tolerance", "-0.1"], ["--min-agreement", "1.5"], ["--limit", "0"], ["--concurrency", "0"], ["--dataset", "mmlu"]):
+    for bad in (
+        ["--tolerance", "-0.1"],
+        ["--min-agreement", "1.5"],
+        ["--limit", "0"],
+        ["--concurrency", "0"],
+        ["--dataset", "mmlu"],
+    ):
         with pytest.raises(SystemExit):
             parse("gsm8k", "--endpoint", "http://x", *bad)
     with pytest.raises(SystemExit):
         parse("gsm8k")  # --endpoint is required
     args = parse("gsm8k", "--endpoint", "http://x")
-    assert (args.shots, args.max_tokens, args.tolerance, args.min_agreement, args.dataset, args.limit) == (5, 256, 0.05, 0.0, "gsm8k", None)
+    assert (args.shots, args.max_tokens, args.tolerance, args.min_agreement, args.dataset, args.limit) == (
+        5,
+        256,
+        0.05,
+        0.0,
+        "gsm8k",
+        None,
+    )

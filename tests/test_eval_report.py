@@ -10,7 +10,17 @@ import pytest
 from services.eval.client import Generation, base_url
 from services.eval.data import Problem
 from services.eval.progress import Progress
-from services.eval.report import EXIT_ERRORS, EXIT_GATE, EXIT_OK, EndpointRun, Gate, RunInfo, compare, format_report, json_report
+from services.eval.report import (
+    EXIT_ERRORS,
+    EXIT_GATE,
+    EXIT_OK,
+    EndpointRun,
+    Gate,
+    RunInfo,
+    compare,
+    format_report,
+    json_report,
+)
 from services.eval.stats import paired_difference, wilson
 
 PROBLEMS = [Problem(f"What is {i} + 1?", f"{i} + 1 = <<{i}+1={i + 1}>>{i + 1}\n#### {i + 1}") for i in range(20)]
@@ -44,7 +54,11 @@ def test_wilson_interval() -> None:
 
 def test_paired_difference() -> None:
     d = paired_difference([True, True, False, False], [True, False, False, False])
-    assert d.value == 0.25 and d.low == pytest.approx(0.25 - 1.959964 * 0.5 / 2) and d.high == pytest.approx(0.25 + 0.49, abs=1e-4)
+    assert (
+        d.value == 0.25
+        and d.low == pytest.approx(0.25 - 1.959964 * 0.5 / 2)
+        and d.high == pytest.approx(0.25 + 0.49, abs=1e-4)
+    )
     same = paired_difference([True, False] * 5, [True, False] * 5)
     assert (same.value, same.low, same.high) == (0.0, 0.0, 0.0)
     with pytest.raises(ValueError):
@@ -118,15 +132,31 @@ def test_reports() -> None:
     prompts = [f"Question: {p.question}\nAnswer:" for p in PROBLEMS]
     report = json.loads(json.dumps(json_report(INFO, PROBLEMS, prompts, [a, b], comparison, gate, verdict)))
     assert report["verdict"] == {"passed": False, "exit_code": EXIT_ERRORS, "failures": list(verdict.failures)}
-    assert report["endpoints"]["endpoint"]["errors"] == 1 and report["endpoints"]["baseline"]["strict_match"]["value"] == 1.0
+    assert (
+        report["endpoints"]["endpoint"]["errors"] == 1
+        and report["endpoints"]["baseline"]["strict_match"]["value"] == 1.0
+    )
     q0 = report["questions"][0]
     assert q0["prompt"] == prompts[0] and q0["target"] == "1" and q0["identical"] is False
-    assert q0["endpoint"]["strict_match"] == "2" and q0["endpoint"]["strict_correct"] is False and q0["baseline"]["strict_correct"] is True
-    assert report["questions"][2]["endpoint"]["error"] == "HTTP 500: boom" and report["questions"][2]["endpoint"]["generation"] is None
+    assert (
+        q0["endpoint"]["strict_match"] == "2"
+        and q0["endpoint"]["strict_correct"] is False
+        and q0["baseline"]["strict_correct"] is True
+    )
+    assert (
+        report["questions"][2]["endpoint"]["error"] == "HTTP 500: boom"
+        and report["questions"][2]["endpoint"]["generation"] is None
+    )
 
 
 def test_base_url() -> None:
-    for url in ("http://r:8000", "http://r:8000/", "http://r:8000/v1", "http://r:8000/v1/", "http://r:8000/v1/completions"):
+    for url in (
+        "http://r:8000",
+        "http://r:8000/",
+        "http://r:8000/v1",
+        "http://r:8000/v1/",
+        "http://r:8000/v1/completions",
+    ):
         assert base_url(url) == "http://r:8000"
     assert base_url("http://r:8000/prefix/v1") == "http://r:8000/prefix"
 

@@ -8,7 +8,9 @@ from services.eval.data import Problem, load_gsm8k, load_problems
 from services.eval.prompts import STOP, build_prompt, fewshot_prefix, question_text, truncate_at_stop
 from services.eval.scoring import INVALID, extract_flexible, extract_strict, is_match, normalize, score
 
-REFERENCE = "Janet sells 16 - 3 - 4 = <<16-3-4=9>>9 duck eggs a day.\nShe makes 9 * 2 = $<<9*2=18>>18 every day.\n#### 18"
+REFERENCE = (
+    "Janet sells 16 - 3 - 4 = <<16-3-4=9>>9 duck eggs a day.\nShe makes 9 * 2 = $<<9*2=18>>18 every day.\n#### 18"
+)
 
 
 @pytest.mark.parametrize(
@@ -64,7 +66,12 @@ def test_score_against_reference() -> None:
     good = score(" She makes 9 * 2 = $18 every day.\n#### 18", REFERENCE)
     assert (good.strict, good.flexible, good.strict_correct, good.flexible_correct) == ("18", "18", True, True)
     flexible_only = score(" She makes $18.", REFERENCE)
-    assert (flexible_only.strict, flexible_only.strict_correct, flexible_only.flexible, flexible_only.flexible_correct) == (INVALID, False, "$18.", True)
+    assert (
+        flexible_only.strict,
+        flexible_only.strict_correct,
+        flexible_only.flexible,
+        flexible_only.flexible_correct,
+    ) == (INVALID, False, "$18.", True)
     wrong = score(" #### 17", REFERENCE)
     assert not wrong.strict_correct and not wrong.flexible_correct
     assert is_match("1,234.", "blah\n#### 1234")
@@ -75,7 +82,10 @@ def test_score_against_reference() -> None:
 def test_prompt_format() -> None:
     shots = [Problem("What is 1+1?", "1+1=<<1+1=2>>2\n#### 2"), Problem("What is 2*3?", "2*3=<<2*3=6>>6\n#### 6")]
     prefix = fewshot_prefix(shots)
-    assert prefix == "Question: What is 1+1?\nAnswer: 1+1=<<1+1=2>>2\n#### 2\n\nQuestion: What is 2*3?\nAnswer: 2*3=<<2*3=6>>6\n#### 6\n\n"
+    assert (
+        prefix == "Question: What is 1+1?\nAnswer: 1+1=<<1+1=2>>2\n#### 2\n\n"
+        "Question: What is 2*3?\nAnswer: 2*3=<<2*3=6>>6\n#### 6\n\n"
+    )
     assert build_prompt(prefix, Problem("What is 4-1?", "#### 3")) == prefix + "Question: What is 4-1?\nAnswer:"
     assert build_prompt(fewshot_prefix([]), Problem("Q?", "#### 1")) == question_text("Q?") == "Question: Q?\nAnswer:"
 

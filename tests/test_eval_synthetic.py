@@ -39,7 +39,7 @@ def test_answers_are_right_by_construction() -> None:
         calcs = _CALC.findall(p.answer)
         assert len(calcs) == len(steps) >= 1
         for expression, result, shown in calcs:
-            assert eval(expression) == int(result) == int(shown), p.answer  # noqa: S307 - digits and + - * / only
+            assert eval(expression) == int(result) == int(shown), p.answer  # the expression is digits and + - * / only
             for number in re.findall(r"\d+", expression):  # every operand is in the question or an earlier step
                 assert number in re.findall(r"\d+", p.question) or any(number == r for _, r, _ in calcs), p
         assert p.target == calcs[-1][1]

@@ -42,9 +42,11 @@ def _fraction(text: str) -> float:
     return value
 
 
-def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
+def add_eval_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     """Add ``eval`` (with its ``gsm8k`` subcommand) to a ``hybrid-pd`` subparsers object."""
-    evaluate = subparsers.add_parser("eval", help="accuracy evaluation through the OpenAI API (e.g. P/D against colocated)")
+    evaluate: argparse.ArgumentParser = subparsers.add_parser(
+        "eval", help="accuracy evaluation through the OpenAI API (e.g. P/D against colocated)"
+    )
     _add_tasks(evaluate)
     return evaluate
 
@@ -64,12 +66,37 @@ def _add_tasks(parser: argparse.ArgumentParser) -> None:
             "1 the accuracy difference or the agreement failed the gate, 3 requests failed."
         ),
     )
-    p.add_argument("--endpoint", required=True, metavar="URL", help="the server to evaluate, e.g. the P/D router http://router:8000")
-    p.add_argument("--baseline", metavar="URL", help="a server to compare with, e.g. colocated vLLM http://colocated:8000")
+    p.add_argument(
+        "--endpoint",
+        required=True,
+        metavar="URL",
+        help="the server to evaluate, e.g. the P/D router http://router:8000",
+    )
+    p.add_argument(
+        "--baseline", metavar="URL", help="a server to compare with, e.g. colocated vLLM http://colocated:8000"
+    )
     p.add_argument("--limit", type=_count(1), metavar="N", help="only the first N test questions (default: all)")
-    p.add_argument("--shots", type=_count(0), default=DEFAULT_SHOTS, metavar="K", help=f"solved train examples before each question (default {DEFAULT_SHOTS})")
-    p.add_argument("--concurrency", type=_count(1), default=DEFAULT_CONCURRENCY, metavar="C", help=f"requests in flight per endpoint (default {DEFAULT_CONCURRENCY})")
-    p.add_argument("--json", dest="json_out", type=Path, metavar="OUT", help="write every question's prompt, generations and scores here")
+    p.add_argument(
+        "--shots",
+        type=_count(0),
+        default=DEFAULT_SHOTS,
+        metavar="K",
+        help=f"solved train examples before each question (default {DEFAULT_SHOTS})",
+    )
+    p.add_argument(
+        "--concurrency",
+        type=_count(1),
+        default=DEFAULT_CONCURRENCY,
+        metavar="C",
+        help=f"requests in flight per endpoint (default {DEFAULT_CONCURRENCY})",
+    )
+    p.add_argument(
+        "--json",
+        dest="json_out",
+        type=Path,
+        metavar="OUT",
+        help="write every question's prompt, generations and scores here",
+    )
     p.add_argument(
         "--tolerance",
         type=_fraction,
@@ -77,12 +104,34 @@ def _add_tasks(parser: argparse.ArgumentParser) -> None:
         metavar="T",
         help=f"largest allowed |strict-match accuracy difference|, in accuracy units (default {DEFAULT_TOLERANCE})",
     )
-    p.add_argument("--min-agreement", type=_fraction, default=0.0, metavar="A", help="smallest allowed fraction of identical generations (default 0)")
-    p.add_argument("--dataset", choices=DATASETS, default="gsm8k", help="gsm8k (vendored) or synthetic problems in its format (default gsm8k)")
+    p.add_argument(
+        "--min-agreement",
+        type=_fraction,
+        default=0.0,
+        metavar="A",
+        help="smallest allowed fraction of identical generations (default 0)",
+    )
+    p.add_argument(
+        "--dataset",
+        choices=DATASETS,
+        default="gsm8k",
+        help="gsm8k (vendored) or synthetic problems in its format (default gsm8k)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic dataset (default 0)")
     p.add_argument("--model", help="model name to request (default: the first of each endpoint's /v1/models)")
-    p.add_argument("--max-tokens", type=_count(1), default=DEFAULT_MAX_TOKENS, metavar="M", help=f"generation limit per question (default {DEFAULT_MAX_TOKENS})")
-    p.add_argument("--request-timeout-s", type=float, default=DEFAULT_REQUEST_TIMEOUT_S, help=f"per request (default {DEFAULT_REQUEST_TIMEOUT_S:g})")
+    p.add_argument(
+        "--max-tokens",
+        type=_count(1),
+        default=DEFAULT_MAX_TOKENS,
+        metavar="M",
+        help=f"generation limit per question (default {DEFAULT_MAX_TOKENS})",
+    )
+    p.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=DEFAULT_REQUEST_TIMEOUT_S,
+        help=f"per request (default {DEFAULT_REQUEST_TIMEOUT_S:g})",
+    )
 
 
 def run_eval(args: argparse.Namespace) -> int:
@@ -105,7 +154,14 @@ def _run_gsm8k(args: argparse.Namespace) -> int:
         return 2
     prefix = fewshot_prefix(shots)
     prompts = [build_prompt(prefix, problem) for problem in problems]
-    info = RunInfo(task="gsm8k", dataset=args.dataset, shots=args.shots, max_tokens=args.max_tokens, stop=STOP, seed=args.seed if args.dataset == "synthetic" else None)
+    info = RunInfo(
+        task="gsm8k",
+        dataset=args.dataset,
+        shots=args.shots,
+        max_tokens=args.max_tokens,
+        stop=STOP,
+        seed=args.seed if args.dataset == "synthetic" else None,
+    )
     targets = [("endpoint", args.endpoint)] + ([("baseline", args.baseline)] if args.baseline else [])
 
     try:
@@ -124,7 +180,9 @@ def _run_gsm8k(args: argparse.Namespace) -> int:
     return verdict.exit_code
 
 
-async def _ask_all(targets: Sequence[tuple[str, str]], problems: Sequence[Any], prompts: Sequence[str], args: argparse.Namespace) -> list[Any]:
+async def _ask_all(
+    targets: Sequence[tuple[str, str]], problems: Sequence[Any], prompts: Sequence[str], args: argparse.Namespace
+) -> list[Any]:
     """Each target's run, one target after the other (so they do not compete for shared hardware)."""
     import httpx
 
@@ -138,11 +196,15 @@ async def _ask_all(targets: Sequence[tuple[str, str]], problems: Sequence[Any], 
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         for role, url in targets:
             model = args.model or await resolve_model(client, url)
-            log.info("asking %s %s (model %r) %d questions, %d at a time", role, url, model, len(prompts), args.concurrency)
+            log.info(
+                "asking %s %s (model %r) %d questions, %d at a time", role, url, model, len(prompts), args.concurrency
+            )
             progress = Progress(role, len(prompts))
             started = time.perf_counter()
             try:
-                generations = await generate_all(client, url, prompts, Sampling(model, args.max_tokens), args.concurrency, progress)
+                generations = await generate_all(
+                    client, url, prompts, Sampling(model, args.max_tokens), args.concurrency, progress
+                )
             finally:
                 progress.close()
             runs.append(EndpointRun.scored(role, url, model, problems, generations, time.perf_counter() - started))

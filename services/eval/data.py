@@ -74,7 +74,7 @@ def load_problems(dataset: str, split: Split, limit: int | None = None, seed: in
     return problems if limit is None else problems[:limit]
 
 
-def _problem(row: dict) -> Problem:
+def _problem(row: dict[str, str]) -> Problem:
     if "#### " not in row["answer"]:
         raise ValueError(f"answer has no '#### ' final answer: {row['answer']!r}")
     return Problem(question=row["question"], answer=row["answer"])

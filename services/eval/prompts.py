@@ -24,7 +24,15 @@ from collections.abc import Sequence
 
 from services.eval.data import Problem
 
-__all__ = ["DEFAULT_MAX_TOKENS", "DEFAULT_SHOTS", "STOP", "build_prompt", "fewshot_prefix", "question_text", "truncate_at_stop"]
+__all__ = [
+    "DEFAULT_MAX_TOKENS",
+    "DEFAULT_SHOTS",
+    "STOP",
+    "build_prompt",
+    "fewshot_prefix",
+    "question_text",
+    "truncate_at_stop",
+]
 
 DEFAULT_SHOTS = 5
 DEFAULT_MAX_TOKENS = 256  # lm-eval's max_gen_toks

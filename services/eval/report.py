@@ -65,11 +65,22 @@ class EndpointRun:
     wall_s: float
 
     @classmethod
-    def scored(cls, role: str, url: str, model: str, problems: Sequence[Problem], generations: Sequence[Generation], wall_s: float) -> EndpointRun:
+    def scored(
+        cls,
+        role: str,
+        url: str,
+        model: str,
+        problems: Sequence[Problem],
+        generations: Sequence[Generation],
+        wall_s: float,
+    ) -> EndpointRun:
         """Score ``generations`` against ``problems`` (a failed request scores wrong on both filters)."""
         if len(problems) != len(generations):
             raise ValueError(f"{len(generations)} generations for {len(problems)} problems")
-        scores = tuple(score(g.text, p.answer) if g.text is not None else _FAILED for p, g in zip(problems, generations))
+        scores = tuple(
+            score(g.text, p.answer) if g.text is not None else _FAILED
+            for p, g in zip(problems, generations, strict=True)
+        )
         return cls(role, url, model, tuple(generations), scores, wall_s)
 
     @property
@@ -191,7 +202,10 @@ class Gate:
         if comparison is not None:
             difference = comparison.strict_difference.value
             if abs(difference) > self.tolerance + 1e-12:
-                failures.append(f"strict-match accuracy differs by {_pts(difference)}, more than the tolerance {_pts(self.tolerance, sign=False)}")
+                failures.append(
+                    f"strict-match accuracy differs by {_pts(difference)}, "
+                    f"more than the tolerance {_pts(self.tolerance, sign=False)}"
+                )
                 exit_code = EXIT_GATE
             if comparison.agreement < self.min_agreement - 1e-12:
                 failures.append(f"agreement {comparison.agreement:.1%} is below the minimum {self.min_agreement:.1%}")
@@ -220,7 +234,9 @@ def _difference(i: Interval) -> str:
     return f"{100 * i.value:+.1f} pts  [{100 * i.low:+.1f}, {100 * i.high:+.1f}]"
 
 
-def format_report(info: RunInfo, runs: Sequence[EndpointRun], comparison: Comparison | None, gate: Gate, verdict: Verdict) -> str:
+def format_report(
+    info: RunInfo, runs: Sequence[EndpointRun], comparison: Comparison | None, gate: Gate, verdict: Verdict
+) -> str:
     """The human-readable report (what ``hybrid-pd eval`` prints on stdout)."""
     out: list[str] = []
     n = len(runs[0].generations) if runs else 0
@@ -229,7 +245,10 @@ def format_report(info: RunInfo, runs: Sequence[EndpointRun], comparison: Compar
     for run in runs:
         s = run.summary()
         out.append("")
-        out.append(f"{run.role:<9} {run.url}  model {run.model!r}  {s.questions} questions, {s.errors} errors, {s.wall_s:.1f} s")
+        out.append(
+            f"{run.role:<9} {run.url}  model {run.model!r}  "
+            f"{s.questions} questions, {s.errors} errors, {s.wall_s:.1f} s"
+        )
         out.append(f"  strict-match      {_interval(s.strict)}")
         out.append(f"  flexible-extract  {_interval(s.flexible)}")
         for error, count in Counter(e for _, e in run.errors).most_common(_SHOWN_ERRORS):
@@ -240,10 +259,14 @@ def format_report(info: RunInfo, runs: Sequence[EndpointRun], comparison: Compar
         agree = comparison.agreement >= gate.min_agreement - 1e-12
         out.append("")
         out.append("endpoint - baseline")
-        out.append(f"  strict-match      {_difference(comparison.strict_difference)}   tolerance {_pts(gate.tolerance, sign=False)}: {'ok' if within else 'FAIL'}")
+        out.append(
+            f"  strict-match      {_difference(comparison.strict_difference)}"
+            f"   tolerance {_pts(gate.tolerance, sign=False)}: {'ok' if within else 'FAIL'}"
+        )
         out.append(f"  flexible-extract  {_difference(comparison.flexible_difference)}")
         out.append(
-            f"  identical generations  {sum(comparison.identical)}/{len(comparison.identical)} ({_pct(comparison.agreement)})"
+            f"  identical generations  {sum(comparison.identical)}/{len(comparison.identical)}"
+            f" ({_pct(comparison.agreement)})"
             f"   minimum {_pct(gate.min_agreement)}: {'ok' if agree else 'FAIL'}"
         )
     out.append("")
@@ -263,7 +286,13 @@ def json_report(
     """Everything, question by question: prompt, each endpoint's generation, extractions, correctness."""
     questions = []
     for i, (problem, prompt) in enumerate(zip(problems, prompts, strict=True)):
-        entry: dict[str, Any] = {"index": i, "question": problem.question, "reference": problem.answer, "target": problem.target, "prompt": prompt}
+        entry: dict[str, Any] = {
+            "index": i,
+            "question": problem.question,
+            "reference": problem.answer,
+            "target": problem.target,
+            "prompt": prompt,
+        }
         for run in runs:
             g, s = run.generations[i], run.scores[i]
             entry[run.role] = {

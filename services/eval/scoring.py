@@ -42,7 +42,7 @@ def _extract(pattern: re.Pattern[str], text: str, group_select: int) -> str:
     matches = pattern.findall(text)
     if not matches:
         return INVALID
-    match = matches[group_select]
+    match: str | tuple[str, ...] = matches[group_select]
     if isinstance(match, tuple):  # several groups: the first one that matched
         match = next(m for m in match if m)
     return match.strip()

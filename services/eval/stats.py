@@ -52,7 +52,7 @@ def paired_difference(a: Sequence[bool], b: Sequence[bool], z: float = Z95) -> I
     n = len(a)
     if n == 0:
         return Interval(0.0, 0.0, 0.0)
-    diffs = [int(x) - int(y) for x, y in zip(a, b)]
+    diffs = [int(x) - int(y) for x, y in zip(a, b, strict=True)]
     mean = sum(diffs) / n
     variance = sum((d - mean) ** 2 for d in diffs) / (n - 1) if n > 1 else 0.0
     half = z * math.sqrt(variance / n)

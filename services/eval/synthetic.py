@@ -50,7 +50,20 @@ _PEOPLE = tuple(
     for name in names
 )
 _FRIENDS = ("a neighbour", "a classmate", "a friend", "the teacher", "a cousin", "the school")
-_ITEMS = ("apples", "marbles", "stickers", "pencils", "cookies", "books", "shells", "cards", "stamps", "oranges", "crayons", "beads")
+_ITEMS = (
+    "apples",
+    "marbles",
+    "stickers",
+    "pencils",
+    "cookies",
+    "books",
+    "shells",
+    "cards",
+    "stamps",
+    "oranges",
+    "crayons",
+    "beads",
+)
 _CONTAINERS = ("boxes", "bags", "packs", "jars", "baskets", "crates")
 _GOODS = ("notebooks", "toy cars", "comic books", "sandwiches", "tickets", "plants", "T-shirts", "puzzles")
 
@@ -73,7 +86,8 @@ def _add(rng: random.Random) -> Problem:
     a, b = rng.randint(2, 90), rng.randint(2, 90)
     c = a + b
     return Problem(
-        f"{p.name} has {a} {item}. {p.subject.capitalize()} buys {b} more {item}. How many {item} does {p.name} have now?",
+        f"{p.name} has {a} {item}. {p.subject.capitalize()} buys {b} more {item}. "
+        f"How many {item} does {p.name} have now?",
         _solution(f"{p.name} has {a} + {b} = <<{a}+{b}={c}>>{c} {item} now.", answer=c),
     )
 
@@ -84,7 +98,8 @@ def _subtract(rng: random.Random) -> Problem:
     a = b + rng.randint(1, 80)
     c = a - b
     return Problem(
-        f"{p.name} had {a} {item}. {p.subject.capitalize()} gave {b} of them to {friend}. How many {item} does {p.name} have left?",
+        f"{p.name} had {a} {item}. {p.subject.capitalize()} gave {b} of them to {friend}. "
+        f"How many {item} does {p.name} have left?",
         _solution(f"{p.name} has {a} - {b} = <<{a}-{b}={c}>>{c} {item} left.", answer=c),
     )
 
@@ -165,7 +180,8 @@ def _share_rest(rng: random.Random) -> Problem:
     b = rng.randint(1, 30)
     a = d + b
     return Problem(
-        f"{p.name} has {a} {item} and gives {b} of them away. {p.subject.capitalize()} puts the rest equally into {c} {box}. "
+        f"{p.name} has {a} {item} and gives {b} of them away. "
+        f"{p.subject.capitalize()} puts the rest equally into {c} {box}. "
         f"How many {item} are in each of the {box}?",
         _solution(
             f"{p.name} has {a} - {b} = <<{a}-{b}={d}>>{d} {item} left.",
