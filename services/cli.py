@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common.logs import configure_logging
+from services.eval.cli import add_eval_parser, run_eval
 
 __all__ = ["main", "build_parser"]
 
@@ -67,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     for role in ("prefill", "decode"):
         _worker_arguments(sub.add_parser(role, help=f"run a {role} worker (vLLM + NIXL connector)"))
     _worker_arguments(sub.add_parser("colocated", help="run a plain vLLM server (the baseline P/D is compared to)"))
+    add_eval_parser(sub)
     return parser
 
 
@@ -162,7 +164,7 @@ def _run_up(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
-    runners = {"up": _run_up, "router": _run_router, "prefill": _run_worker, "decode": _run_worker, "colocated": _run_worker}
+    runners = {"up": _run_up, "router": _run_router, "prefill": _run_worker, "decode": _run_worker, "colocated": _run_worker, "eval": run_eval}
     return runners[args.command](args)
 
 

@@ -9,7 +9,7 @@ One job per module:
 - :mod:`.data`: the problems (vendored GSM8K, or :mod:`.synthetic` ones).
 - :mod:`.prompts`: the k-shot prompt and the stop sequences.
 - :mod:`.scoring`: answer extraction and normalisation, as lm-eval does it.
-- :mod:`.client`: asking an endpoint every prompt, concurrently.
+- :mod:`.client`: asking an endpoint every prompt, concurrently (:mod:`.progress` shows how far).
 - :mod:`.stats`: confidence intervals.
 - :mod:`.report`: summaries, the comparison gate, the text and JSON reports.
 - :mod:`.cli`: the ``eval`` subcommand.

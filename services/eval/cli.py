@@ -12,9 +12,13 @@ import argparse
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from services.eval.data import Problem
+    from services.eval.report import EndpointRun
 
 __all__ = ["add_eval_parser", "main", "run_eval"]
 
@@ -25,7 +29,9 @@ DEFAULT_TOLERANCE = 0.05  # vLLM's NIXL P/D accuracy test's tolerance on gsm8k s
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
 
 
-def _count(minimum: int) -> Any:
+def _count(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer of at least ``minimum``."""
+
     def parse(text: str) -> int:
         value = int(text)
         if value < minimum:
@@ -36,6 +42,7 @@ def _count(minimum: int) -> Any:
 
 
 def _fraction(text: str) -> float:
+    """An argparse type: a number between 0 and 1."""
     value = float(text)
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {value}")
@@ -145,13 +152,22 @@ def _run_gsm8k(args: argparse.Namespace) -> int:
     from services.eval.client import EndpointError
     from services.eval.data import load_problems
     from services.eval.prompts import STOP, build_prompt, fewshot_prefix
-    from services.eval.report import EXIT_ERRORS, Gate, RunInfo, compare, format_report, json_report, write_json
+    from services.eval.report import (
+        EXIT_ERRORS,
+        EXIT_USAGE,
+        Gate,
+        RunInfo,
+        compare,
+        format_report,
+        json_report,
+        write_json,
+    )
 
     problems = load_problems(args.dataset, "test", limit=args.limit, seed=args.seed)
     shots = load_problems(args.dataset, "train", limit=args.shots, seed=args.seed) if args.shots else []
     if len(shots) < args.shots:
         log.error("the %s train split has only %d problems for --shots %d", args.dataset, len(shots), args.shots)
-        return 2
+        return EXIT_USAGE
     prefix = fewshot_prefix(shots)
     prompts = [build_prompt(prefix, problem) for problem in problems]
     info = RunInfo(
@@ -181,8 +197,8 @@ def _run_gsm8k(args: argparse.Namespace) -> int:
 
 
 async def _ask_all(
-    targets: Sequence[tuple[str, str]], problems: Sequence[Any], prompts: Sequence[str], args: argparse.Namespace
-) -> list[Any]:
+    targets: Sequence[tuple[str, str]], problems: Sequence[Problem], prompts: Sequence[str], args: argparse.Namespace
+) -> list[EndpointRun]:
     """Each target's run, one target after the other (so they do not compete for shared hardware)."""
     import httpx
 
@@ -192,7 +208,7 @@ async def _ask_all(
 
     timeout = httpx.Timeout(args.request_timeout_s, connect=min(10.0, args.request_timeout_s))
     limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
-    runs = []
+    runs: list[EndpointRun] = []
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         for role, url in targets:
             model = args.model or await resolve_model(client, url)

@@ -25,6 +25,7 @@ class Progress:
         self.done = self.errors = 0
         self._started = time.monotonic()
         self._drawn = 0.0
+        self._drawn_done = -1
 
     def advance(self, error: bool = False) -> None:
         """One more request finished (``error``: it failed)."""
@@ -38,11 +39,13 @@ class Progress:
     def close(self) -> None:
         """End the bar's line so what follows starts on a fresh one."""
         if self.enabled:
-            self._draw(time.monotonic())
+            if self._drawn_done != self.done:
+                self._draw(time.monotonic())
             self.stream.write("\n")
             self.stream.flush()
 
     def _draw(self, now: float) -> None:
+        self._drawn_done = self.done
         filled = _WIDTH * self.done // self.total if self.total else _WIDTH
         rate = self.done / max(now - self._started, 1e-9)
         errors = f" errors {self.errors}" if self.errors else ""

@@ -1,8 +1,8 @@
 """What an evaluation found: per-endpoint accuracy, the comparison, the pass/fail gate, the reports.
 
 Exit codes: 0 passed; 1 the comparison gate failed (accuracy difference above the
-tolerance, or agreement below the minimum); 3 requests failed (which makes the
-accuracies unreliable, so it wins over 1). 2 stays argparse's "bad usage".
+tolerance, or agreement below the minimum); 2 bad usage (argparse's code too);
+3 requests failed (which makes the accuracies unreliable, so it wins over 1).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ __all__ = [
     "EXIT_ERRORS",
     "EXIT_GATE",
     "EXIT_OK",
+    "EXIT_USAGE",
     "Comparison",
     "EndpointRun",
     "EndpointSummary",
@@ -35,7 +36,7 @@ __all__ = [
     "write_json",
 ]
 
-EXIT_OK, EXIT_GATE, EXIT_ERRORS = 0, 1, 3
+EXIT_OK, EXIT_GATE, EXIT_USAGE, EXIT_ERRORS = 0, 1, 2, 3
 
 _FAILED = Score(INVALID, INVALID, False, False)  # a failed request answers nothing, so nothing right
 _SHOWN_ERRORS = 5
