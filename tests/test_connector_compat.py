@@ -1,0 +1,59 @@
+"""Which prefill and decode workers may exchange state."""
+
+import pytest
+
+from connector.compat import IncompatibleWorkers, WorkerIdentity, check_pair, check_worker
+
+
+def _pair(**diff):
+    base = dict(model="m", dtype="float32", block_size=128, tensor_parallel_size=1, conv_state_layout="DS")
+    p = {**base, **{k[2:]: v for k, v in diff.items() if k.startswith("p_")}}
+    d = {**base, **{k[2:]: v for k, v in diff.items() if k.startswith("d_")}}
+    return WorkerIdentity(role="prefill", **p), WorkerIdentity(role="decode", **d)
+
+
+def test_identical_workers_pair():
+    check_pair(*_pair())
+
+
+@pytest.mark.parametrize(
+    ("diff", "field"),
+    [
+        ({"d_model": "other"}, "model"),
+        ({"d_dtype": "bfloat16"}, "dtype"),
+        ({"p_block_size": 64}, "block_size"),
+        ({"p_conv_state_layout": "SD"}, "conv_state_layout"),
+        ({"p_tensor_parallel_size": 2, "d_tensor_parallel_size": 3}, "tensor_parallel_size"),
+        ({"d_pipeline_parallel_size": 2}, "pipeline_parallel_size"),
+    ],
+)
+def test_each_rule_names_its_field(diff, field):
+    with pytest.raises(IncompatibleWorkers) as err:
+        check_pair(*_pair(**diff))
+    assert err.value.field == field
+    assert field in str(err.value)
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 2), (2, 1), (2, 4), (4, 2), (4, 4)])
+def test_tp_sizes_pair_when_one_divides_the_other(p_tp, d_tp):
+    check_pair(*_pair(p_tensor_parallel_size=p_tp, d_tensor_parallel_size=d_tp))
+
+
+def test_unknown_fields_are_not_guessed():
+    check_pair(WorkerIdentity(role="prefill", model="m"), WorkerIdentity(role="decode", model="m", dtype="float32"))
+
+
+def test_roles_must_be_prefill_then_decode():
+    p, d = _pair()
+    with pytest.raises(IncompatibleWorkers, match="need a prefill and a decode"):
+        check_pair(d, p)
+
+
+def test_single_worker_rules():
+    with pytest.raises(IncompatibleWorkers, match="VLLM_SSM_CONV_STATE_LAYOUT=DS"):
+        check_worker(WorkerIdentity(role="decode", model="m", conv_state_layout="SD"))
+
+
+def test_identity_json_round_trip_ignores_unknown_keys():
+    p, _ = _pair()
+    assert WorkerIdentity.from_json({**p.to_json(), "extra": 1}) == p
