@@ -32,7 +32,7 @@ class WorkerIdentity:
     """
 
     role: str
-    model: str
+    model: str | None = None
     dtype: str | None = None
     block_size: int | None = None
     tensor_parallel_size: int | None = None

@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from services.common.logs import configure_logging
 from services.eval.cli import add_eval_parser, run_eval
 
@@ -38,6 +40,9 @@ def _worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float)
     p.add_argument("--cpu-threads-bind", help="VLLM_CPU_OMP_THREADS_BIND for this server (CPU only)")
     p.add_argument("--ready-timeout-s", type=float)
+    p.add_argument("--router-url", help="register with this router (admin API) and heartbeat")
+    p.add_argument("--advertise-url", help="the URL the router reaches this worker's vLLM server at")
+    p.add_argument("--drain-timeout-s", type=float, help="on SIGTERM, wait this long for in-flight requests")
     p.add_argument("--vllm-arg", dest="vllm_args", action="append", help="extra vLLM argument (repeatable)")
     p.add_argument("--dry-run", action="store_true", help="print the vLLM command and environment as JSON and exit")
 
@@ -63,6 +68,15 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--prefill", action="append", metavar="URL", help="prefill worker URL (repeatable)")
     router.add_argument("--decode", action="append", metavar="URL", help="decode worker URL (repeatable)")
     router.add_argument("--request-timeout-s", type=float)
+    router.add_argument("--decode-policy", help="round_robin | least_outstanding | power_of_two | prefix_affinity")
+    router.add_argument("--prefill-policy", help="same choices as --decode-policy")
+    router.add_argument("--local-prefill-below-tokens", type=int, help="shorter prompts skip the prefill leg")
+    router.add_argument("--api-key", dest="api_keys", action="append", help="accepted Bearer key (repeatable)")
+    router.add_argument("--admin-token", help="Bearer token of the admin API (off when unset)")
+    router.add_argument("--max-concurrency", type=int, help="requests in flight before 429")
+    router.add_argument("--max-concurrency-per-worker", type=int, help="legs in flight per worker before 429")
+    router.add_argument("--max-body-bytes", type=int, help="larger request bodies get 413")
+    router.add_argument("--health-interval-s", type=float, help="seconds between worker health checks")
     router.add_argument("--dry-run", action="store_true", help="print the resolved settings as JSON and exit")
 
     for role in ("prefill", "decode"):
@@ -85,7 +99,10 @@ def _run_router(args: argparse.Namespace) -> int:
 
     settings = RouterSettings(**_given(args, *RouterSettings.model_fields))
     if args.dry_run:
-        print(settings.model_dump_json())
+        shown = settings.model_dump(mode="json")
+        shown["api_keys"] = ["***"] * len(settings.api_keys)
+        shown["admin_token"] = "***" if settings.admin_token else None
+        print(json.dumps(shown))
         return 0
     log.info("router on http://%s:%d prefill=%s decode=%s", settings.host, settings.port, settings.prefill, settings.decode)
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_config=None, access_log=False)
@@ -165,7 +182,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
     runners = {"up": _run_up, "router": _run_router, "prefill": _run_worker, "decode": _run_worker, "colocated": _run_worker, "eval": run_eval}
-    return runners[args.command](args)
+    try:
+        return runners[args.command](args)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        print(f"hybrid-pd {args.command}: invalid settings: {problems}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

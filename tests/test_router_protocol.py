@@ -32,8 +32,12 @@ class Workers:
         self.decode_breaks = False
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
-        body = json.loads(request.content) if request.content else {}
         worker = "prefill" if request.url.host == "prefill.test" else "decode"
+        if request.method == "GET":  # health checks and identity probes
+            if request.url.path == "/v1/models":
+                return httpx.Response(200, json={"object": "list", "data": [{"id": "m", "root": f"/{worker}"}]})
+            return httpx.Response(200, json={"version": "test"} if request.url.path == "/version" else {})
+        body = json.loads(request.content) if request.content else {}
         self.calls.append((worker, body, request.headers))
         if worker == "prefill":
             if isinstance(self.prefill_response, Exception):
@@ -134,11 +138,16 @@ async def test_malformed_body_is_an_openai_400(client, workers, raw):
     assert workers.calls == []
 
 
-async def test_unreachable_prefill_worker_is_an_openai_502(client, workers):
-    workers.prefill_response = httpx.ConnectError("connection refused")
-    r = await client.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "x"}]})
-    assert r.status_code == 502
-    assert "prefill worker failed" in r.json()["error"]["message"]
+@pytest.mark.parametrize("failure", [httpx.ConnectError("connection refused"), httpx.Response(500, json={})])
+async def test_failed_prefill_leg_falls_back_to_local_prefill_on_the_decode_worker(client, workers, failure):
+    workers.prefill_response = failure
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    r = await client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200
+    assert [w for w, _, _ in workers.calls] == ["prefill", "decode"]
+    assert workers.calls[1][1] == body, "the decode worker gets the client's request without transfer params"
+    metrics = (await client.get("/metrics")).text
+    assert 'hybrid_pd_fallbacks_total{reason="prefill_failed"} 1.0' in metrics
 
 
 async def test_decode_failing_mid_stream_ends_with_an_error_event(client, workers):
@@ -154,4 +163,121 @@ async def test_decode_failing_mid_stream_ends_with_an_error_event(client, worker
 async def test_models_come_from_a_decode_worker(client, workers):
     r = await client.get("/v1/models")
     assert r.status_code == 200
-    assert workers.calls[0][0] == "decode"
+    assert r.json()["data"][0]["root"] == "/decode"
+
+
+async def _router(workers: Workers, **settings):
+    settings = {"prefill": [PREFILL], "decode": [DECODE], **settings}
+    app = create_app(RouterSettings(**settings), transport=httpx.MockTransport(workers))
+    return app, httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router")
+
+
+async def test_api_keys_guard_the_public_endpoints(workers):
+    app, c = await _router(workers, api_keys=["sk-1"])
+    async with app.router.lifespan_context(app), c:
+        r = await c.post("/v1/completions", json={"prompt": "x"})
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert (await c.get("/v1/models")).status_code == 401
+        ok = await c.post("/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer sk-1"})
+        assert ok.status_code == 200
+
+
+async def test_body_over_the_limit_is_413(workers):
+    app, c = await _router(workers, max_body_bytes=1000)
+    async with app.router.lifespan_context(app), c:
+        r = await c.post("/v1/completions", json={"prompt": "x" * 2000})
+        assert r.status_code == 413 and "larger than 1000 bytes" in r.json()["error"]["message"]
+        assert workers.calls == []
+
+
+async def test_no_decode_worker_is_503_with_retry_after(workers):
+    app, c = await _router(workers, decode=[])
+    async with app.router.lifespan_context(app), c:
+        r = await c.post("/v1/completions", json={"prompt": "x"})
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+
+
+async def test_decode_worker_at_its_limit_is_429_with_retry_after(workers):
+    app, c = await _router(workers, max_concurrency_per_worker=1)
+    async with app.router.lifespan_context(app), c:
+        app.state.router.registry.role("decode")[0].inflight = 1
+        r = await c.post("/v1/completions", json={"prompt": "x"})
+        assert r.status_code == 429 and r.headers["retry-after"] == "1"
+
+
+async def test_decode_failing_before_its_first_byte_is_retried_once_on_another_worker(workers):
+    other = "http://decode2.test:3"
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.method == "POST" and request.url.host == "decode.test":
+            seen.append("decode")
+            raise httpx.ConnectError("refused")
+        if request.method == "POST" and request.url.host == "decode2.test":
+            seen.append("decode2")
+        return workers(request)
+
+    app = create_app(RouterSettings(prefill=[PREFILL], decode=[DECODE, other], decode_policy="round_robin"), transport=httpx.MockTransport(handler))
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as c:
+            r = await c.post("/v1/completions", json={"prompt": "x"})
+            assert r.status_code == 200 and seen == ["decode", "decode2"]
+            assert [w for w, _, _ in workers.calls].count("prefill") == 2, "a new prefill leg for the new decode worker"
+            assert "hybrid_pd_retries_total 1.0" in (await c.get("/metrics")).text
+
+
+async def test_prompt_list_is_split_into_one_pair_per_prompt_and_merged_in_order(client, workers):
+    r = await client.post("/v1/completions", json={"model": "m", "prompt": ["a", [1, 2]], "max_tokens": 3})
+    assert r.status_code == 200
+    prefill_prompts = [body["prompt"] for w, body, _ in workers.calls if w == "prefill"]
+    assert sorted(map(str, prefill_prompts)) == sorted(["a", "[1, 2]"])
+    answer = r.json()
+    assert [c["index"] for c in answer["choices"]] == [0, 1]
+    assert answer["usage"]["completion_tokens"] == 6 and answer["usage"]["prompt_tokens"] == 10
+    kv_params = [body.get("kv_transfer_params") for w, body, _ in workers.calls if w == "decode"]
+    assert kv_params == [KV, KV]
+
+
+async def test_short_prompts_skip_the_prefill_leg_when_configured(workers):
+    app, c = await _router(workers, local_prefill_below_tokens=100)
+    async with app.router.lifespan_context(app), c:
+        assert (await c.post("/v1/completions", json={"prompt": [1, 2, 3]})).status_code == 200
+        assert [w for w, _, _ in workers.calls] == ["decode"]
+        assert 'hybrid_pd_fallbacks_total{reason="short_prompt"} 1.0' in (await c.get("/metrics")).text
+
+
+async def test_admin_api_is_off_without_a_token_and_guarded_with_one(workers):
+    app, c = await _router(workers)
+    async with app.router.lifespan_context(app), c:
+        assert (await c.get("/admin/workers")).status_code == 404
+    app, c = await _router(workers, admin_token="secret")
+    async with app.router.lifespan_context(app), c:
+        assert (await c.get("/admin/workers")).status_code == 401
+        listed = await c.get("/admin/workers", headers={"Authorization": "Bearer secret"})
+        assert {w["role"] for w in listed.json()["workers"]} == {"prefill", "decode"}
+
+
+async def test_registration_refuses_an_incompatible_worker_naming_the_field(workers):
+    auth = {"Authorization": "Bearer secret"}
+    app, c = await _router(workers, admin_token="secret", prefill=[])
+    async with app.router.lifespan_context(app), c:
+        registry = app.state.router.registry
+        registry.role("decode")[0].identity = registry.role("decode")[0].identity.__class__(role="decode", model="m", block_size=128)
+        bad = {"url": "http://p.test:9", "role": "prefill", "identity": {"model": "m", "block_size": 16}}
+        r = await c.post("/admin/workers", json=bad, headers=auth)
+        assert r.status_code == 409 and r.json()["error"]["param"] == "block_size"
+        good = {**bad, "identity": {"model": "m", "block_size": 128, "conv_state_layout": "DS"}}
+        r = await c.post("/admin/workers", json=good, headers=auth)
+        assert r.status_code == 201
+        worker_id = r.json()["id"]
+        assert (await c.post(f"/admin/workers/{worker_id}/drain", headers=auth)).json()["state"] == "draining"
+        assert (await c.delete(f"/admin/workers/{worker_id}", headers=auth)).status_code == 200
+        assert (await c.delete(f"/admin/workers/{worker_id}", headers=auth)).status_code == 404
+        assert (await c.post("/admin/workers", json={"url": "ftp://x", "role": "prefill"}, headers=auth)).status_code == 400
+
+
+async def test_unknown_route_and_method_are_openai_errors(client):
+    r = await client.post("/v1/embeddings", json={})
+    assert r.status_code == 404 and "error" in r.json()
+    r = await client.get("/v1/completions")
+    assert r.status_code == 405 and "error" in r.json()

@@ -24,6 +24,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from connector.launch import Device, Role, WorkerSpec, build_launch
 from services.common.logs import kv
 from services.common.processes import spawn, stop_group
+from services.common.registration import RouterLink, running_requests, worker_identity
 from services.default_model import resolve_model
 
 __all__ = ["WorkerSettings", "run_worker", "wait_http_ok"]
@@ -51,6 +52,11 @@ class WorkerSettings(BaseSettings):
     gpu_memory_utilization: float | None = None
     cpu_threads_bind: str | None = None
     ready_timeout_s: float = 900.0
+    router_url: str | None = None
+    advertise_url: str | None = None
+    admin_token: str | None = None
+    heartbeat_interval_s: float = 5.0
+    drain_timeout_s: float = 30.0
     vllm_args: list[str] = Field(default_factory=list)
     log_level: str = "INFO"
 
@@ -108,9 +114,26 @@ def _why_it_failed(tail: collections.deque[str], limit: int = 8) -> str:
     return "\n".join((picked or lines)[-limit:])
 
 
+def _drain(link: RouterLink | None, vllm_url: str, timeout_s: float) -> None:
+    """Stop new work (router drain), let in-flight requests finish within ``timeout_s``, leave the router."""
+    if link is None:
+        return
+    link.drain()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if running_requests(vllm_url) == 0:
+                break
+        except (urllib.error.URLError, OSError):
+            break
+        time.sleep(0.5)
+    link.deregister()
+
+
 def run_worker(role: Role, settings: WorkerSettings) -> int:
     """Run one vLLM server for ``role`` until it exits or we are told to stop; return the exit code."""
-    launch = build_launch(settings.spec(role))
+    spec = settings.spec(role)
+    launch = build_launch(spec)
     log.info("starting vLLM %s", kv(role=role, port=settings.port, side_channel=settings.side_channel_port))
     log.debug("vLLM command: %s", " ".join(launch.argv))
     proc = spawn(launch.argv, launch.env, log=subprocess.PIPE)
@@ -126,9 +149,16 @@ def run_worker(role: Role, settings: WorkerSettings) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _stop)
 
-    health = f"http://{settings.host}:{settings.port}/health"
-    if wait_http_ok(health, lambda: proc.poll() is None and not stopping.is_set(), settings.ready_timeout_s):
-        log.info("ready %s", kv(role=role, url=f"http://{settings.host}:{settings.port}"))
+    vllm_url = f"http://{settings.host}:{settings.port}"
+    link: RouterLink | None = None
+    if wait_http_ok(vllm_url + "/health", lambda: proc.poll() is None and not stopping.is_set(), settings.ready_timeout_s):
+        log.info("ready %s", kv(role=role, url=vllm_url))
+        if settings.router_url and role != "colocated":
+            identity = worker_identity(spec, launch, vllm_url)
+            link = RouterLink(
+                settings.router_url, settings.advertise_url or vllm_url, identity, settings.admin_token, settings.heartbeat_interval_s
+            )
+            link.start()
     elif not stopping.is_set():
         stop_group(proc)
         relay.join(timeout=5)
@@ -143,5 +173,6 @@ def run_worker(role: Role, settings: WorkerSettings) -> int:
         log.error("vLLM exited %s:\n%s", kv(role=role, code=proc.returncode), _why_it_failed(tail))
         return proc.returncode or 1
     log.info("stopping %s", kv(role=role))
+    _drain(link, vllm_url, settings.drain_timeout_s)
     stop_group(proc)
     return 0

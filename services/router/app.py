@@ -1,84 +1,187 @@
 """The public, OpenAI-compatible endpoint in front of prefill and decode workers.
 
-A request reads top to bottom in :func:`_disaggregate`: parse -> choose the pair ->
-prefill leg -> decode leg -> relay the answer with merged usage.
+A request reads top to bottom in :func:`_route`: choose the decode worker ->
+choose a compatible prefill worker -> prefill leg -> decode leg; :func:`_serve`
+then relays the answer with merged usage. Failures are handled where they happen:
+a failed prefill leg falls back to a local prefill on the decode worker, a decode
+worker that fails before its first byte is replaced once, a stream that breaks
+ends with an OpenAI error event, and a client that goes away cancels the decode
+request (vLLM aborts it and the prefill's held blocks are released).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from connector.compat import WorkerIdentity
 from services.common.logs import kv, request_id_var
-from services.common.openai_errors import OpenAIError, error_event
+from services.common.openai_errors import OpenAIError, error_body, error_event
+from services.router.admin import admin_routes
 from services.router.legs import decode_body, merge_usage, prefill_body
-from services.router.pool import Pair, StaticPool
+from services.router.metrics import RouterMetrics
+from services.router.policies import Policy, RequestInfo, make_policy
+from services.router.registry import Registry, Worker, probe_identity
 from services.router.settings import RouterSettings
 
-__all__ = ["create_app"]
+__all__ = ["create_app", "RouterState"]
 
 log = logging.getLogger("hybrid_pd.router")
 
 _JSON = "application/json"
+T = TypeVar("T")
+
+
+@dataclass
+class RouterState:
+    """Everything a request needs, built once per app."""
+
+    settings: RouterSettings
+    registry: Registry
+    metrics: RouterMetrics
+    decode_policy: Policy
+    prefill_policy: Policy
+    client: httpx.AsyncClient | None = None
+    inflight: int = 0
+
+
+@dataclass
+class Routed:
+    """An open decode answer plus what the relay needs to finish the request."""
+
+    response: httpx.Response
+    prefill_usage: dict | None
+    decode: Worker
+    release: Callable[[], None]
+    sent_at: float
+    extra_headers: dict[str, str] = field(default_factory=dict)
 
 
 def create_app(settings: RouterSettings, transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
-    """Build the router app for ``settings``; its HTTP client lives as long as the app.
+    """Build the router app for ``settings``; its HTTP client and health loop live as long as the app.
 
     ``transport`` replaces the network (tests of protocol edge cases only).
     """
-    pool = StaticPool(settings.prefill, settings.decode)
+    registry = Registry(settings.eviction_failures, settings.heartbeat_ttl_s)
+    for role, urls in (("prefill", settings.prefill), ("decode", settings.decode)):
+        for url in urls:
+            registry.add(Worker(url=url, role=role, identity=WorkerIdentity(role=role), static=True))
+    state = RouterState(
+        settings=settings,
+        registry=registry,
+        metrics=RouterMetrics(),
+        decode_policy=make_policy(settings.decode_policy),
+        prefill_policy=make_policy(settings.prefill_policy),
+    )
     timeout = httpx.Timeout(settings.request_timeout_s, connect=settings.connect_timeout_s)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
         async with httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport) as client:
-            app.state.client = client
-            yield
+            state.client = client
+            health = asyncio.create_task(_health_loop(state))
+            try:
+                yield
+            finally:
+                health.cancel()
+                with suppress(asyncio.CancelledError):
+                    await health
 
     app = FastAPI(title="hybrid-pd router", lifespan=lifespan)
-    app.state.pool = pool
+    app.state.router = state
+    app.include_router(admin_routes(state))
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        state.metrics.rejected.labels(str(exc.status)).inc()
+        headers = {"Retry-After": "1"} if exc.status in (429, 503) else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+    @app.exception_handler(404)
+    async def _not_found(request: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse(error_body(404, f"no route {request.method} {request.url.path}"), status_code=404)
+
+    @app.exception_handler(405)
+    async def _bad_method(request: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse(error_body(405, f"{request.method} not allowed on {request.url.path}"), status_code=405)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "prefill": pool.prefill, "decode": pool.decode}
+        return {
+            "status": "ok",
+            "prefill": [w.url for w in registry.role("prefill")],
+            "decode": [w.url for w in registry.role("decode")],
+        }
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        state.metrics.evictions.set(registry.evictions)
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        url = pool.pick().decode + "/v1/models"
+        _authorize(request, settings.api_keys)
+        decodes = [w for w in registry.role("decode") if w.available]
+        if not decodes:
+            raise OpenAIError(503, "no decode worker is available")
         try:
-            upstream = await request.app.state.client.get(url)
+            upstream = await state.client.get(decodes[0].url + "/v1/models")
         except httpx.HTTPError as exc:
             raise OpenAIError(502, f"decode worker unreachable: {type(exc).__name__}") from exc
         return Response(upstream.content, status_code=upstream.status_code, media_type=_JSON)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await _disaggregate(request, "/v1/completions")
+        return await _serve(state, request, "/v1/completions")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await _disaggregate(request, "/v1/chat/completions")
+        return await _serve(state, request, "/v1/chat/completions")
 
     return app
 
 
-async def _read_body(request: Request) -> dict[str, Any]:
-    raw = await request.body()
+async def _health_loop(state: RouterState) -> None:
+    """Check every worker's health, learn identities of static workers, expire silent dynamic ones."""
+    while True:
+        await state.registry.check_all(state.client)
+        for worker in state.registry.all():
+            if worker.identity.model is None and worker.healthy:
+                with suppress(httpx.HTTPError, ValueError, KeyError, IndexError):
+                    worker.identity = await probe_identity(state.client, worker.url, worker.role)
+        await asyncio.sleep(state.settings.health_interval_s)
+
+
+def _authorize(request: Request, keys: list[str]) -> None:
+    if not keys:
+        return
+    header = request.headers.get("authorization", "")
+    if not header.startswith("Bearer ") or header[7:] not in keys:
+        raise OpenAIError(401, "missing or invalid API key (Authorization: Bearer ...)")
+
+
+async def _read_body(request: Request, limit: int) -> dict[str, Any]:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise OpenAIError(413, f"request body is larger than {limit} bytes")
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > limit:
+            raise OpenAIError(413, f"request body is larger than {limit} bytes")
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -88,74 +191,316 @@ async def _read_body(request: Request) -> dict[str, Any]:
     return body
 
 
-async def _disaggregate(request: Request, path: str) -> Response:
+def _is_prompt_list(body: dict[str, Any]) -> bool:
+    """A completions request with several prompts (strings or token-id lists)."""
+    prompt = body.get("prompt")
+    return isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt)
+
+
+async def _serve(state: RouterState, request: Request, path: str) -> Response:
     request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
     request_id_var.set(request_id)
+    arrived = time.perf_counter()
+    route = path.rsplit("/", 1)[-1]
+    _authorize(request, state.settings.api_keys)
+    body = await _read_body(request, state.settings.max_body_bytes)
+    if state.inflight >= state.settings.max_concurrency:
+        raise OpenAIError(429, f"the router is at its concurrency limit ({state.settings.max_concurrency})")
+    state.inflight += 1
+    done = _once(lambda: setattr(state, "inflight", state.inflight - 1))
+    try:
+        headers = {"X-Request-Id": request_id}
+        stream = bool(body.get("stream"))
+        if path == "/v1/completions" and _is_prompt_list(body):
+            bodies = [{**body, "prompt": p} for p in body["prompt"]]
+            routed = await _cancel_on_disconnect(request, _route_all(state, path, bodies, request_id))
+        else:
+            routed = [await _cancel_on_disconnect(request, _route(state, path, body, request_id))]
+        failed = next((r for r in routed if r.response.status_code != 200), None)
+        if failed is not None or not stream:
+            response = await _cancel_on_disconnect(request, _answer(routed, failed, body, headers))
+            state.metrics.requests.labels(route, "ok" if failed is None else f"http_{failed.response.status_code}").inc()
+            state.metrics.e2e.observe(time.perf_counter() - arrived)
+            return response
+        relay = _relay(state, routed, body, arrived, route)
+        done_after_stream = _with_finally(relay, done)
+        done = _once(lambda: None)  # the stream now owns the release
+        return StreamingResponse(done_after_stream, media_type="text/event-stream", headers=headers)
+    finally:
+        done()
+
+
+async def _route_all(state: RouterState, path: str, bodies: list[dict], request_id: str) -> list[Routed]:
+    """One P/D pair per prompt (a shared ``remote_block_ids`` breaks vLLM), in order."""
+    tasks = [asyncio.ensure_future(_route(state, path, b, f"{request_id}-{i}")) for i, b in enumerate(bodies)]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            if task.done() and not task.cancelled() and task.exception() is None:
+                await _close(task.result())
+        raise
+
+
+async def _route(state: RouterState, path: str, body: dict[str, Any], request_id: str) -> Routed:
+    """Choose the pair, run the prefill leg and open the decode leg (retried once before its first byte)."""
     started = time.perf_counter()
-    body = await _read_body(request)
-    pair: Pair = request.app.state.pool.pick()
-    client: httpx.AsyncClient = request.app.state.client
+    settings, metrics, client = state.settings, state.metrics, state.client
+    info = RequestInfo.from_body(body, settings.prefix_affinity_chars)
     headers = {"X-Request-Id": request_id}
+    tried: set[str] = set()
+    prefill_s = 0.0
+    for attempt in range(2):
+        decode = _choose(state, state.registry.role("decode"), state.decode_policy, info, tried, "decode")
+        kv_params, prefill_usage = None, None
+        if info.est_tokens < settings.local_prefill_below_tokens:
+            metrics.fallbacks.labels("short_prompt").inc()
+        else:
+            prefill = _pick_prefill(state, decode, info)
+            if prefill is None:
+                metrics.fallbacks.labels("no_prefill_worker").inc()
+            else:
+                leg_started = time.perf_counter()
+                leg = await _prefill_leg(state, prefill, path, body, headers, info)
+                prefill_s += time.perf_counter() - leg_started
+                if isinstance(leg, Routed):
+                    return leg  # the prefill worker refused the request (4xx): the client gets that
+                if leg is None:
+                    metrics.fallbacks.labels("prefill_failed").inc()
+                else:
+                    kv_params, prefill_usage = leg.get("kv_transfer_params"), leg.get("usage")
+        release = _lease(state, decode, info.est_tokens)
+        outgoing = client.build_request("POST", decode.url + path, json=decode_body(body, kv_params), headers=headers)
+        sent_at = time.perf_counter()
+        metrics.overhead.observe(max(0.0, sent_at - started - prefill_s))
+        try:
+            response = await client.send(outgoing, stream=True)
+        except httpx.HTTPError as exc:
+            release()
+            log.warning("decode leg failed %s", kv(worker=decode.url, error=type(exc).__name__, attempt=attempt))
+        else:
+            if response.status_code < 500:
+                log.info("routed %s", kv(path=path, decode=decode.url, status=response.status_code, transfer=kv_params is not None))
+                return Routed(response, prefill_usage, decode, release, sent_at)
+            await response.aclose()
+            release()
+            log.warning("decode leg failed %s", kv(worker=decode.url, status=response.status_code, attempt=attempt))
+        state.registry.record_health(decode, ok=False)
+        tried.add(decode.id)
+        if attempt == 0 and any(w.available and w.id not in tried for w in state.registry.role("decode")):
+            metrics.retries.inc()
+            continue
+        break
+    raise OpenAIError(502, "decode worker failed before answering")
 
-    # Prefill leg: state for token N-1 stays on the prefill worker for the decode to pull.
+
+def _choose(state: RouterState, workers: list[Worker], policy: Policy, info: RequestInfo, tried: set[str], role: str) -> Worker:
+    """Filter (available, not tried, under its limit), then let the policy pick."""
+    available = [w for w in workers if w.available and w.id not in tried]
+    if not available:
+        raise OpenAIError(503, f"no {role} worker is available")
+    under_limit = [w for w in available if w.inflight < state.settings.max_concurrency_per_worker]
+    if not under_limit:
+        raise OpenAIError(429, f"every {role} worker is at its concurrency limit")
+    return policy.choose(under_limit, info)
+
+
+def _pick_prefill(state: RouterState, decode: Worker, info: RequestInfo) -> Worker | None:
+    candidates = [w for w in state.registry.compatible_with(decode) if w.inflight < state.settings.max_concurrency_per_worker]
+    return state.prefill_policy.choose(candidates, info) if candidates else None
+
+
+async def _prefill_leg(
+    state: RouterState, prefill: Worker, path: str, body: dict, headers: dict, info: RequestInfo
+) -> dict | Routed | None:
+    """The prefill answer (JSON); a Routed error for a 4xx; None when the leg failed (fall back)."""
+    release = _lease(state, prefill, info.est_tokens)
+    started = time.perf_counter()
     try:
-        prefill = await client.post(pair.prefill + path, json=prefill_body(body), headers=headers)
+        response = await state.client.post(prefill.url + path, json=prefill_body(body), headers=headers)
     except httpx.HTTPError as exc:
-        log.warning("prefill leg failed %s", kv(worker=pair.prefill, error=type(exc).__name__))
-        raise OpenAIError(502, f"prefill worker failed: {type(exc).__name__}") from exc
-    if prefill.status_code != 200:
-        log.info("prefill leg refused %s", kv(worker=pair.prefill, status=prefill.status_code))
-        return Response(prefill.content, status_code=prefill.status_code, media_type=_JSON)
-    prefill_json = prefill.json()
-    prefill_usage = prefill_json.get("usage")
-    prefill_ms = (time.perf_counter() - started) * 1000
+        log.warning("prefill leg failed, local prefill %s", kv(worker=prefill.url, error=type(exc).__name__))
+        state.registry.record_health(prefill, ok=False)
+        return None
+    finally:
+        release()
+        state.metrics.prefill_leg.observe(time.perf_counter() - started)
+    if 400 <= response.status_code < 500:
+        log.info("prefill refused %s", kv(worker=prefill.url, status=response.status_code))
+        return Routed(response, None, prefill, lambda: None, time.perf_counter())
+    if response.status_code != 200:
+        log.warning("prefill leg failed, local prefill %s", kv(worker=prefill.url, status=response.status_code))
+        return None
+    return response.json()
 
-    # Decode leg: the client's request plus where to pull the state from.
-    outgoing = client.build_request(
-        "POST", pair.decode + path, json=decode_body(body, prefill_json.get("kv_transfer_params")), headers=headers
-    )
+
+def _lease(state: RouterState, worker: Worker, tokens: int) -> Callable[[], None]:
+    """Count a leg as in flight on ``worker`` until the returned function is called (once)."""
+    worker.inflight += 1
+    worker.inflight_tokens += tokens
+    gauge = state.metrics.inflight.labels(worker.role, worker.url)
+    gauge.set(worker.inflight)
+
+    def release() -> None:
+        worker.inflight -= 1
+        worker.inflight_tokens -= tokens
+        gauge.set(worker.inflight)
+
+    return _once(release)
+
+
+def _once(fn: Callable[[], None]) -> Callable[[], None]:
+    called = False
+
+    def wrapper() -> None:
+        nonlocal called
+        if not called:
+            called = True
+            fn()
+
+    return wrapper
+
+
+async def _close(routed: Routed) -> None:
+    routed.release()
+    await routed.response.aclose()
+
+
+async def _answer(routed: list[Routed], failed: Routed | None, body: dict, headers: dict) -> Response:
+    """A whole (non-streamed) answer, or the first failed leg's error as it came."""
     try:
-        decode = await client.send(outgoing, stream=True)
-    except httpx.HTTPError as exc:
-        log.warning("decode leg failed %s", kv(worker=pair.decode, error=type(exc).__name__))
-        raise OpenAIError(502, f"decode worker failed: {type(exc).__name__}") from exc
-    log.info(
-        "routed %s",
-        kv(path=path, prefill=pair.prefill, decode=pair.decode, prefill_ms=f"{prefill_ms:.1f}", status=decode.status_code),
-    )
-    response_headers = {"X-Request-Id": request_id}
-    if decode.status_code != 200 or not body.get("stream"):
-        content = await decode.aread()
-        await decode.aclose()
-        if decode.status_code == 200:
-            answer = json.loads(content)
-            answer["usage"] = merge_usage(prefill_usage, answer.get("usage"))
-            return JSONResponse(answer, headers=response_headers)
-        return Response(content, status_code=decode.status_code, media_type=_JSON, headers=response_headers)
-    return StreamingResponse(
-        _relay_stream(decode, prefill_usage, request_id),
-        media_type="text/event-stream",
-        headers=response_headers,
-    )
+        if failed is not None:
+            content = await failed.response.aread()
+            return Response(content, status_code=failed.response.status_code, media_type=_JSON, headers=headers)
+        answers = []
+        for r in routed:
+            answer = json.loads(await r.response.aread())
+            answer["usage"] = merge_usage(r.prefill_usage, answer.get("usage"))
+            answers.append(answer)
+        return JSONResponse(_merge_answers(answers, body), headers=headers)
+    finally:
+        for r in routed:
+            await _close(r)
 
 
-async def _relay_stream(decode: httpx.Response, prefill_usage: dict | None, request_id: str) -> AsyncIterator[bytes]:
-    """Relay the decode worker's SSE stream, rewriting usage; closing it aborts the decode.
+def _merge_answers(answers: list[dict], body: dict) -> dict:
+    """One answer from one-per-prompt answers: choices renumbered in prompt order, usage summed."""
+    if len(answers) == 1:
+        return answers[0]
+    n = int(body.get("n") or 1)
+    merged = dict(answers[0])
+    merged["choices"] = [
+        {**choice, "index": i * n + choice.get("index", 0)} for i, a in enumerate(answers) for choice in a["choices"]
+    ]
+    merged["usage"] = _sum_usage([a.get("usage") for a in answers])
+    return merged
 
-    When the client goes away, the server cancels this generator and ``aclose``
-    drops the upstream connection, which makes vLLM abort the request.
+
+def _sum_usage(usages: list[dict | None]) -> dict | None:
+    present = [u for u in usages if u]
+    if not present:
+        return None
+    keys = ("prompt_tokens", "completion_tokens", "total_tokens")
+    return {**present[0], **{k: sum(u.get(k) or 0 for u in present) for k in keys}}
+
+
+async def _relay(state: RouterState, routed: list[Routed], body: dict, arrived: float, route: str) -> AsyncIterator[bytes]:
+    """Stream the decode answer(s) to the client, rewriting usage (and choice indexes for several prompts).
+
+    Cancelling this generator (client gone) closes every upstream stream, which
+    makes vLLM abort the request.
     """
-    request_id_var.set(request_id)
+    metrics = state.metrics
+    n = int(body.get("n") or 1)
+    several = len(routed) > 1
+    usages: list[dict | None] = [None] * len(routed)
+    queue: asyncio.Queue[tuple[int, str | None | BaseException]] = asyncio.Queue()
+
+    async def pump(i: int, r: Routed) -> None:
+        try:
+            async for line in r.response.aiter_lines():
+                await queue.put((i, line))
+        except BaseException as exc:  # noqa: BLE001 - delivered to the consumer below
+            await queue.put((i, exc))
+        else:
+            await queue.put((i, None))
+
+    pumps = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(routed)]
+    open_streams, first, last = len(routed), True, time.perf_counter()
+    outcome = "ok"
     try:
-        async for line in decode.aiter_lines():
-            if line.startswith("data: {") and '"usage":' in line and '"usage":null' not in line:
+        while open_streams:
+            i, item = await queue.get()
+            if item is None:
+                open_streams -= 1
+                continue
+            if isinstance(item, BaseException):
+                outcome = "stream_error"
+                log.warning("decode stream broke %s", kv(worker=routed[i].decode.url, error=type(item).__name__))
+                yield error_event(502, f"decode worker failed mid-stream: {type(item).__name__}")
+                return
+            line = item
+            if line.startswith("data: {") and (several or ('"usage":' in line and '"usage":null' not in line)):
                 event = json.loads(line[6:])
                 if event.get("usage") is not None:
-                    event["usage"] = merge_usage(prefill_usage, event["usage"])
-                    line = "data: " + json.dumps(event, separators=(",", ":"))
-            yield (line + "\n").encode()
-    except httpx.HTTPError as exc:
-        log.warning("decode stream broke %s", kv(error=type(exc).__name__))
-        yield error_event(502, f"decode worker failed mid-stream: {type(exc).__name__}")
+                    event["usage"] = usages[i] = merge_usage(routed[i].prefill_usage, event["usage"])
+                    if several and not event.get("choices"):
+                        continue  # the merged usage chunk goes out once, at the end
+                if several:
+                    event["choices"] = [{**c, "index": i * n + c.get("index", 0)} for c in event.get("choices", [])]
+                    event.pop("usage", None)
+                line = "data: " + json.dumps(event, separators=(",", ":"))
+            elif line.startswith("data: [DONE]"):
+                continue
+            elif not line:
+                continue
+            now = time.perf_counter()
+            if first:
+                metrics.ttft.observe(now - arrived)
+                first = False
+            else:
+                metrics.itl.observe(now - last)
+            last = now
+            yield (line + "\n\n").encode()
+        if several and any(usages) and (body.get("stream_options") or {}).get("include_usage"):
+            tail = {"id": routed[0].response.headers.get("x-request-id", ""), "object": "text_completion", "choices": []}
+            tail["usage"] = _sum_usage(usages)
+            yield ("data: " + json.dumps(tail, separators=(",", ":")) + "\n\n").encode()
+        yield b"data: [DONE]\n\n"
+    except asyncio.CancelledError:
+        outcome = "client_disconnected"
+        log.info("client disconnected; aborting decode %s", kv(workers=[r.decode.url for r in routed]))
+        raise
     finally:
-        await decode.aclose()
+        for task in pumps:
+            task.cancel()
+        for r in routed:
+            await _close(r)
+        metrics.requests.labels(route, outcome).inc()
+        metrics.e2e.observe(time.perf_counter() - arrived)
+        metrics.decode_leg.observe(time.perf_counter() - routed[0].sent_at)
+
+
+async def _with_finally(stream: AsyncIterator[bytes], finish: Callable[[], None]) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in stream:
+            yield chunk
+    finally:
+        finish()
+
+
+async def _cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``, cancelling it as soon as the client disconnects (vLLM then aborts)."""
+    task = asyncio.ensure_future(work)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=0.5)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            with suppress(asyncio.CancelledError, Exception):
+                await task
+            log.info("client disconnected before the answer; request cancelled")
+            raise OpenAIError(499, "client disconnected")

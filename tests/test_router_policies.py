@@ -1,0 +1,108 @@
+"""Selection policies, request info and the worker registry's pool rules."""
+
+from collections import Counter
+
+import pytest
+
+from connector.compat import IncompatibleWorkers, WorkerIdentity
+from services.router.policies import LeastOutstanding, PowerOfTwo, PrefixAffinity, RequestInfo, RoundRobin, make_policy
+from services.router.registry import Registry, Worker
+
+
+def _w(url, role="decode", inflight=0, tokens=0, **identity):
+    w = Worker(url=url, role=role, identity=WorkerIdentity(role=role, model="m", **identity))
+    w.inflight, w.inflight_tokens = inflight, tokens
+    return w
+
+
+INFO = RequestInfo(affinity_key="k", est_tokens=10)
+
+
+def test_round_robin_takes_each_in_turn():
+    workers = [_w("http://b"), _w("http://a"), _w("http://c")]
+    policy = RoundRobin()
+    assert [policy.choose(workers, INFO).url for _ in range(4)] == ["http://a", "http://b", "http://c", "http://a"]
+
+
+def test_least_outstanding_by_requests_then_tokens():
+    workers = [_w("http://a", inflight=2), _w("http://b", inflight=1, tokens=900), _w("http://c", inflight=1, tokens=5)]
+    assert LeastOutstanding().choose(workers, INFO).url == "http://c"
+
+
+def test_power_of_two_never_picks_the_busiest_of_three():
+    workers = [_w("http://a", inflight=0), _w("http://b", inflight=5), _w("http://c", inflight=9)]
+    policy = PowerOfTwo(seed=1)
+    picks = Counter(policy.choose(workers, INFO).url for _ in range(300))
+    assert picks["http://c"] == 0 and picks["http://a"] > picks["http://b"] > 0
+
+
+def test_prefix_affinity_is_sticky_and_moves_only_the_lost_workers_keys():
+    workers = [_w(f"http://w{i}") for i in range(4)]
+    policy = PrefixAffinity()
+    keys = [RequestInfo(affinity_key=f"user-{i}", est_tokens=1) for i in range(400)]
+    before = {k.affinity_key: policy.choose(workers, k).url for k in keys}
+    assert before == {k.affinity_key: policy.choose(workers, k).url for k in keys}
+    assert min(Counter(before.values()).values()) > 40, "keys spread over every worker"
+    after = {k.affinity_key: policy.choose(workers[:3], k).url for k in keys}
+    moved = [k for k in before if before[k] != after[k]]
+    assert moved and all(before[k] == "http://w3" for k in moved)
+
+
+def test_request_info_key_and_size():
+    assert RequestInfo.from_body({"prompt": "x" * 400, "user": "alice"}).affinity_key == "alice"
+    assert RequestInfo.from_body({"prompt": "abcd" * 100}).est_tokens == 100
+    assert RequestInfo.from_body({"prompt": [1, 2, 3]}).est_tokens == 3
+    chat = RequestInfo.from_body({"messages": [{"role": "user", "content": "hello world!"}]})
+    assert chat.affinity_key == "hello world!" and chat.est_tokens == 3
+
+
+def test_unknown_policy_names_the_choices():
+    with pytest.raises(ValueError, match="least_outstanding"):
+        make_policy("fastest")
+
+
+def test_registry_refuses_a_worker_that_fits_no_peer_and_names_the_field():
+    registry = Registry()
+    registry.add(_w("http://d", role="decode", block_size=128))
+    with pytest.raises(IncompatibleWorkers, match="block_size"):
+        registry.add(_w("http://p", role="prefill", block_size=64))
+    registry.add(_w("http://p", role="prefill", block_size=128))
+    assert [w.url for w in registry.role("prefill")] == ["http://p"]
+
+
+def test_compatible_prefills_follow_tp_divisibility():
+    registry = Registry()
+    decode = registry.add(_w("http://d", role="decode", tensor_parallel_size=2))
+    registry.add(_w("http://p1", role="prefill", tensor_parallel_size=1))
+    registry.add(_w("http://p4", role="prefill", tensor_parallel_size=4))
+    registry.add(_w("http://p3", role="prefill"))  # unknown TP is not guessed
+    assert {w.url for w in registry.compatible_with(decode)} == {"http://p1", "http://p4", "http://p3"}
+    assert registry.get(decode.id) is decode
+
+
+def test_eviction_after_consecutive_failures_and_readmission():
+    registry = Registry(eviction_failures=3)
+    w = registry.add(_w("http://d"))
+    for _ in range(2):
+        registry.record_health(w, ok=False)
+    assert w.available
+    registry.record_health(w, ok=False)
+    assert not w.available and registry.evictions == 1
+    registry.record_health(w, ok=True)
+    assert w.available and w.failures == 0
+
+
+def test_dynamic_workers_expire_without_heartbeats_static_ones_stay():
+    registry = Registry(heartbeat_ttl_s=10)
+    dynamic = registry.add(_w("http://dyn"))
+    static = registry.add(_w("http://static"))
+    static.static = True
+    assert registry.expire(now=dynamic.last_seen + 11) == [dynamic]
+    assert registry.all() == [static]
+
+
+def test_registering_again_keeps_the_id():
+    registry = Registry()
+    first = registry.add(_w("http://d"))
+    again = registry.add(_w("http://d"))
+    assert again.id == first.id and len(registry.all()) == 1
