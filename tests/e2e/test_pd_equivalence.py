@@ -79,21 +79,22 @@ def _generated(path: str, body: dict, client: httpx.Client, model: str) -> tuple
     return tokens, logprobs
 
 
-def _transfers(decode_worker: httpx.Client) -> tuple[float, float]:
+def _transfers(decode_workers: list[httpx.Client]) -> tuple[float, float]:
+    """(successful, failed) NIXL transfers, summed over every decode worker."""
     return (
-        metric(decode_worker, "vllm:nixl_xfer_time_seconds_count"),
-        metric(decode_worker, "vllm:nixl_num_failed_transfers_total"),
+        metric(decode_workers, "vllm:nixl_xfer_time_seconds_count"),
+        metric(decode_workers, "vllm:nixl_num_failed_transfers_total"),
     )
 
 
-def _await_transfer(decode_worker: httpx.Client, before: tuple[float, float]) -> tuple[float, float]:
+def _await_transfer(decode_workers: list[httpx.Client], before: tuple[float, float]) -> tuple[float, float]:
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        now = _transfers(decode_worker)
+        now = _transfers(decode_workers)
         if now != before:
             return now
         time.sleep(0.2)
-    return _transfers(decode_worker)
+    return _transfers(decode_workers)
 
 
 def _assert_same(routed: tuple[list, list[float]], baseline: tuple[list, list[float]]) -> None:
@@ -108,12 +109,12 @@ def _assert_same(routed: tuple[list, list[float]], baseline: tuple[list, list[fl
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 @pytest.mark.parametrize("case", list(COMPLETION_PROMPTS))
-def test_completions_equal_colocated_with_one_transfer(case, stream, router, colocated, decode_worker, stack):
+def test_completions_equal_colocated_with_one_transfer(case, stream, router, colocated, decode_workers, stack):
     model = stack.config.served_model_name
     body = _completion_body(COMPLETION_PROMPTS[case], stream)
-    before = _transfers(decode_worker)
+    before = _transfers(decode_workers)
     routed = _generated("/v1/completions", body, router, model)
-    after = _await_transfer(decode_worker, before)
+    after = _await_transfer(decode_workers, before)
     _assert_same(routed, _generated("/v1/completions", body, colocated, model))
     # A one-token prompt cannot back off to N-1 = 0 tokens: the prefill computes the
     # token, the decode still pulls that state (one transfer) and the answer still matches.
@@ -121,11 +122,11 @@ def test_completions_equal_colocated_with_one_transfer(case, stream, router, col
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
-def test_chat_conversation_equals_colocated_with_one_transfer(stream, router, colocated, decode_worker, stack):
+def test_chat_conversation_equals_colocated_with_one_transfer(stream, router, colocated, decode_workers, stack):
     model = stack.config.served_model_name
-    before = _transfers(decode_worker)
+    before = _transfers(decode_workers)
     routed = _generated("/v1/chat/completions", _chat_body(stream), router, model)
-    after = _await_transfer(decode_worker, before)
+    after = _await_transfer(decode_workers, before)
     _assert_same(routed, _generated("/v1/chat/completions", _chat_body(stream), colocated, model))
     assert after == (before[0] + 1, before[1])
 
@@ -174,3 +175,23 @@ def test_decode_output_depends_on_the_transferred_state(prefill_worker, decode_w
 
     assert crossed_tokens != colocated_tokens(prompt_b)
     assert crossed_tokens == colocated_tokens(prompt_a[:-1] + prompt_b[-1:])
+
+
+@pytest.mark.parametrize("prompt_tokens", [23, 300])
+def test_plan_matches_what_vllm_transfers(prompt_tokens, prefill_worker, decode_worker, stack):
+    """``hybrid-pd plan``'s bytes and reads equal vLLM's own NIXL stats for one request."""
+    from connector.plan import model_shape, plan_transfer
+
+    plan = plan_transfer(model_shape(stack.config.model), prompt_tokens, block_size=BLOCK)
+    names = ("vllm:nixl_bytes_transferred_sum", "vllm:nixl_num_descriptors_sum", "vllm:nixl_bytes_transferred_count")
+    before = [metric(decode_worker, n) for n in names]
+    body = {"model": stack.config.served_model_name, "prompt": _ids(prompt_tokens), "max_tokens": 1}
+    prefill = prefill_worker.post("/v1/completions", json={**body, "kv_transfer_params": {"do_remote_decode": True}}).json()
+    assert decode_worker.post("/v1/completions", json={**body, "kv_transfer_params": prefill["kv_transfer_params"]}).status_code == 200
+    deadline = time.monotonic() + 10
+    while metric(decode_worker, names[2]) == before[2] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    moved, reads, transfers = (metric(decode_worker, n) - b for n, b in zip(names, before, strict=True))
+    assert transfers == 1
+    assert moved == plan.total_bytes
+    assert reads == plan.reads_per_decode_rank

