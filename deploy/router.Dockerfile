@@ -1,0 +1,29 @@
+# Router image: the public OpenAI-compatible endpoint. FastAPI + httpx only: no vLLM, no torch.
+# Build from the repository root:  docker build -f deploy/router.Dockerfile -t hybrid-pd-router .
+FROM python:3.11.14-slim-trixie
+
+ARG APP_UID=10001
+ENV PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:$PATH
+
+RUN python -m venv "$VIRTUAL_ENV" \
+ && useradd --create-home --uid "$APP_UID" --shell /usr/sbin/nologin hybrid
+
+WORKDIR /opt/hybrid-pd
+COPY deploy/locks/router.txt deploy/locks/router.txt
+RUN pip install --no-deps -r deploy/locks/router.txt
+
+COPY pyproject.toml README.md ./
+COPY connector connector
+COPY services services
+# The project without extras: the router's own dependencies, nothing of the workers'.
+RUN pip install --no-deps . \
+ && python -c "import services.cli, services.router.app" \
+ && ! python -c "import vllm" 2>/dev/null \
+ && ! python -c "import torch" 2>/dev/null
+
+USER hybrid
+CMD ["hybrid-pd", "router", "--host", "0.0.0.0", "--port", "8000"]

