@@ -111,7 +111,7 @@ class TransferPlan:
     total_bytes: int
     bytes_per_decode_rank: int
     prefill_ranks_per_decode_rank: int
-    reads_per_decode_rank: int
+    max_reads_per_decode_rank: int
     decode_rank_sources: dict[int, list[int]]
     seconds_at_bandwidth: float
     bandwidth_gbps: float
@@ -143,7 +143,8 @@ def plan_transfer(
     else:
         ratio = prefill_tp // decode_tp
         sources = {r: list(range(r * ratio, (r + 1) * ratio)) for r in range(decode_tp)}
-    per_source_reads = shape.mamba_layers * 4 + shape.attention_layers * blocks  # x, B, C, SSM; one K+V page per block
+    # x, B, C, SSM per Mamba layer; one K+V page per block (vLLM merges adjacent blocks: fewer reads then)
+    per_source_reads = shape.mamba_layers * 4 + shape.attention_layers * blocks
     return TransferPlan(
         prompt_tokens=prompt_tokens,
         transferred_tokens=tokens,
@@ -154,7 +155,7 @@ def plan_transfer(
         total_bytes=total,
         bytes_per_decode_rank=total // decode_tp,
         prefill_ranks_per_decode_rank=len(sources[0]),
-        reads_per_decode_rank=per_source_reads * len(sources[0]),
+        max_reads_per_decode_rank=per_source_reads * len(sources[0]),
         decode_rank_sources=sources,
         seconds_at_bandwidth=total / (bandwidth_gbps * 1e9),
         bandwidth_gbps=bandwidth_gbps,

@@ -164,7 +164,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         ("KV per attention layer", f"{plan.kv_bytes_per_attention_layer:,} B"),
         ("total per request", f"{plan.total_bytes:,} B"),
         ("per decode rank", f"{plan.bytes_per_decode_rank:,} B from {plan.prefill_ranks_per_decode_rank} prefill rank(s)"),
-        ("reads per decode rank", str(plan.reads_per_decode_rank)),
+        ("reads per decode rank (at most)", str(plan.max_reads_per_decode_rank)),
         ("decode rank <- prefill ranks", ", ".join(f"{d}<-{s}" for d, s in plan.decode_rank_sources.items())),
         (f"time at {args.bandwidth_gbps:g} GB/s", f"{plan.seconds_at_bandwidth * 1e3:.3f} ms"),
     ]
@@ -181,7 +181,7 @@ def _interrupt(signum: int, frame: object) -> None:
 
 def _run_up(args: argparse.Namespace) -> int:
     from services.default_model import resolve_model
-    from services.stack import Stack, StackConfig, StackError, wait_forever
+    from services.stack import Stack, StackConfig, StackError, watch
 
     model, name = resolve_model(args.model)
     config = StackConfig(
@@ -201,8 +201,7 @@ def _run_up(args: argparse.Namespace) -> int:
         log.info("starting %d prefill + %d decode workers; logs in %s", args.prefill, args.decode, config.log_dir)
         stack.start()
         print(_ready_message(stack, name), flush=True)
-        failed = wait_forever(stack)
-        log.error("%s exited; stopping the stack (see %s)", failed, stack.log_path(failed))
+        log.error("%s; stopping the stack", watch(stack))
         return 1
     except StackError as exc:
         log.error("%s", exc)

@@ -21,7 +21,7 @@ from services.common.logs import kv
 from services.common.processes import free_port, spawn, stop_group
 from services.common.worker import wait_http_ok
 
-__all__ = ["Service", "Stack", "StackConfig", "StackError", "wait_forever"]
+__all__ = ["Service", "Stack", "StackConfig", "StackError", "watch"]
 
 log = logging.getLogger("hybrid_pd.stack")
 
@@ -162,10 +162,21 @@ class Stack:
         self.stop()
 
 
-def wait_forever(stack: Stack, poll_s: float = 1.0) -> str | None:
-    """Block until a service exits (return its name); KeyboardInterrupt propagates."""
+def watch(stack: Stack, poll_s: float = 1.0) -> str:
+    """Block while the stack can serve; return why it cannot. KeyboardInterrupt propagates.
+
+    A worker that exits is reported once and the router routes around it (a dead
+    prefill worker means local prefill); the stack is done when the router or the
+    last decode worker is gone.
+    """
+    reported: set[str] = set()
     while True:
-        failed = stack.failed()
-        if failed:
-            return failed[0]
+        for name in stack.failed():
+            if name not in reported:
+                reported.add(name)
+                log.error("%s exited; see %s", name, stack.log_path(name))
+        if "router" in reported:
+            return "the router exited"
+        if all(s.name in reported for s in stack.workers("decode")):
+            return "no decode worker is left"
         time.sleep(poll_s)

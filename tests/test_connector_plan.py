@@ -17,7 +17,7 @@ def test_bytes_per_layer_and_whole_blocks():
     assert plan.ssm_bytes_per_mamba_layer == 8 * 32 * 32 * 4
     assert plan.kv_bytes_per_attention_layer == 2 * 2 * 128 * 2 * 32 * 4
     assert plan.total_bytes == 2 * (4608 + 32768) + 131072
-    assert plan.reads_per_decode_rank == 2 * 4 + 2
+    assert plan.max_reads_per_decode_rank == 2 * 4 + 2
 
 
 def test_one_token_prompt_still_moves_one_token():

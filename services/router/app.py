@@ -260,6 +260,7 @@ async def _route(state: RouterState, path: str, body: dict[str, Any], request_id
         else:
             prefill = _pick_prefill(state, decode, info)
             if prefill is None:
+                log.info("no compatible prefill worker available, local prefill %s", kv(decode=decode.url))
                 metrics.fallbacks.labels("no_prefill_worker").inc()
             else:
                 leg_started = time.perf_counter()

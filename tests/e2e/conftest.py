@@ -6,7 +6,9 @@ of ``hybrid-pd up``, on free ports.
 
 from __future__ import annotations
 
+import os
 import re
+from pathlib import Path
 
 import httpx
 import pytest
@@ -18,14 +20,15 @@ from services.stack import Stack, StackConfig
 
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory) -> Stack:
-    model, name = resolve_model(None)
+    model, name = resolve_model(os.environ.get("HYBRID_PD_TEST_MODEL"), "hybrid-pd-tiny")
     config = StackConfig(
         model=model,
         served_model_name=name,
         port=free_port(),
         decode=2,
         baseline=True,
-        log_dir=tmp_path_factory.mktemp("stack-logs"),
+        # HYBRID_PD_TEST_LOGS keeps the services' logs somewhere that outlives the run.
+        log_dir=Path(os.environ["HYBRID_PD_TEST_LOGS"]) if "HYBRID_PD_TEST_LOGS" in os.environ else tmp_path_factory.mktemp("stack-logs"),
         ready_timeout_s=600,
     )
     with Stack(config) as running:

@@ -194,4 +194,6 @@ def test_plan_matches_what_vllm_transfers(prompt_tokens, prefill_worker, decode_
     moved, reads, transfers = (metric(decode_worker, n) - b for n, b in zip(names, before, strict=True))
     assert transfers == 1
     assert moved == plan.total_bytes
-    assert reads == plan.reads_per_decode_rank
+    # Adjacent KV blocks go in one descriptor, so reads reach the plan's bound only when no two blocks touch.
+    mamba_reads = 4 * model_shape(stack.config.model).mamba_layers
+    assert mamba_reads + 1 <= reads <= plan.max_reads_per_decode_rank

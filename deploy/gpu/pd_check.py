@@ -1,0 +1,212 @@
+"""GPU evidence for hybrid P/D: FULL CUDA-graph decode rows, P/D vs colocated, GSM8K agreement.
+
+Run on a machine with one NVIDIA GPU and vLLM + NIXL installed (see deploy/gpu/README.md):
+
+    python deploy/gpu/pd_check.py --out results/ [--prompts 8] [--gsm8k-limit 100]
+
+It builds a random-weight NemotronH-style hybrid of realistic shape (bf16), starts
+through ``hybrid-pd`` a prefill worker, a decode worker (FULL_AND_PIECEWISE CUDA
+graphs, ``--cudagraph-metrics``), a colocated server and the router on one GPU,
+then:
+
+1. decode row: sends one long prompt with ``max_tokens=1`` through P/D and reads the
+   decode worker's CUDA-graph statistics: the only step it ran is 1 token in FULL mode
+   (the recomputed token N), while the colocated server ran the whole prompt;
+2. P/D vs colocated: greedy tokens and logprobs for several prompts, compared up to the
+   first divergence, with the top-2 logprob gap at that token (bf16 near-ties);
+3. ``hybrid-pd eval gsm8k`` through the router against the colocated server.
+
+Writes ``summary.json`` and the servers' logs to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from services.common.processes import free_port, spawn, stop_group  # noqa: E402
+from services.common.worker import wait_http_ok  # noqa: E402
+
+SHAPE = dict(
+    vocab_size=512,
+    hidden_size=1024,
+    layers_block_type=["mamba", "mamba", "attention", "mlp", "mamba", "mamba", "mlp", "mamba", "mamba", "attention",
+                       "mlp", "mamba", "mamba", "mlp"],  # fmt: skip
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    head_dim=64,
+    intermediate_size=2048,
+    mamba_num_heads=32,
+    mamba_head_dim=64,
+    n_groups=8,
+    ssm_state_size=128,
+    conv_kernel=4,
+    chunk_size=128,
+    max_position_embeddings=8192,
+    use_mamba_kernels=False,
+    initializer_range=0.02,
+)
+
+
+def build_model(out: Path) -> None:
+    """A random-weight hybrid of realistic shape, with the project's tokenizer recipe."""
+    import torch
+    from transformers import AutoModelForCausalLM, NemotronHConfig
+
+    from services.default_model import ensure_default_model
+
+    tokenizer_dir = ensure_default_model()
+    for name in os.listdir(tokenizer_dir):
+        if "token" in name or name.endswith(".jinja") or name == "special_tokens_map.json":
+            (out / name).write_bytes((tokenizer_dir / name).read_bytes())
+    tok_cfg = json.loads((tokenizer_dir / "config.json").read_text())
+    config = NemotronHConfig(
+        **SHAPE,
+        pad_token_id=tok_cfg.get("pad_token_id", 0),
+        bos_token_id=tok_cfg.get("bos_token_id", 1),
+        eos_token_id=tok_cfg.get("eos_token_id", 2),
+        architectures=["NemotronHForCausalLM"],
+    )
+    config.vocab_size = json.loads((tokenizer_dir / "config.json").read_text())["vocab_size"]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(out)
+    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params", flush=True)
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "services.cli", *args]
+
+
+def metrics_of(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+def cudagraph_rows(log: Path) -> list[tuple[int, int, str, int]]:
+    """(unpadded, padded, mode, count) rows of vLLM's last CUDAGraph Stats table in ``log``."""
+    text = log.read_text(errors="replace")
+    tables = text.split("**CUDAGraph Stats:**")
+    if len(tables) < 2:
+        return []
+    rows = re.findall(r"\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*\d+\s*\|\s*([A-Za-z_.]+)\s*\|\s*(\d+)\s*\|", tables[-1])
+    return [(int(a), int(b), mode, int(c)) for a, b, mode, c in rows]
+
+
+def completion(url: str, model: str, prompt, max_tokens: int) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 2, "return_token_ids": True}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=300)
+    r.raise_for_status()
+    return r.json()["choices"][0]
+
+
+def compare(pd: dict, co: dict) -> dict:
+    """Tokens up to the first divergence and the colocated top-2 logprob gap there."""
+    a, b = pd["token_ids"], co["token_ids"]
+    first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    lp_a, lp_b = pd["logprobs"]["token_logprobs"], co["logprobs"]["token_logprobs"]
+    upto = first if first is not None else len(a)
+    worst = max((abs(x - y) for x, y in zip(lp_a[:upto], lp_b[:upto])), default=0.0)
+    gap = None
+    if first is not None:
+        top = sorted(co["logprobs"]["top_logprobs"][first].values(), reverse=True)
+        gap = top[0] - top[1] if len(top) > 1 else None
+    return {"tokens": len(a), "first_divergence": first, "top2_gap_at_divergence": gap, "max_logprob_delta_before": worst}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--gsm8k-limit", type=int, default=100)
+    ap.add_argument("--keep-running", action="store_true", help="leave the servers up (detached) for later commands")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    model_dir = Path(os.environ.get("HYBRID_PD_GPU_MODEL", "/tmp/hybrid-pd-gpu-model"))
+    if not (model_dir / "config.json").exists():
+        model_dir.mkdir(parents=True, exist_ok=True)
+        build_model(model_dir)
+    name = "hybrid-gpu"
+    common = ["--model", str(model_dir), "--served-model-name", name, "--device", "cuda", "--max-model-len", "4096",
+              "--max-num-seqs", "64", "--gpu-memory-utilization", "0.25", "--kv-cache-memory-bytes", str(8 << 30)]  # fmt: skip
+    ports = {role: free_port() for role in ("prefill", "decode", "colocated", "router")}
+    procs = {}
+    started = time.monotonic()
+    for role in ("prefill", "decode", "colocated"):
+        argv = cli(role, *common, "--port", str(ports[role]), "--vllm-arg=--cudagraph-metrics")
+        if role != "colocated":
+            argv += ["--side-channel-port", str(free_port())]
+        procs[role] = spawn(argv, log=args.out / f"{role}.log")
+    urls = {role: f"http://127.0.0.1:{port}" for role, port in ports.items()}
+    procs["router"] = spawn(
+        cli("router", "--port", str(ports["router"]), "--prefill", urls["prefill"], "--decode", urls["decode"]),
+        log=args.out / "router.log",
+    )
+    summary: dict = {"model_shape": SHAPE}
+    try:
+        for role, proc in procs.items():
+            if not wait_http_ok(urls[role] + "/health", lambda p=proc: p.poll() is None, 600):
+                raise SystemExit(f"{role} did not start; see {args.out / (role + '.log')}")
+        summary["ready_s"] = round(time.monotonic() - started, 1)
+        print(f"all ready in {summary['ready_s']} s", flush=True)
+
+        # Warm up both paths (first requests are slow), then let a stats interval pass.
+        for _ in range(2):
+            completion(urls["router"], name, "warm up " * 50, 4)
+            completion(urls["colocated"], name, "warm up " * 50, 4)
+        time.sleep(11)
+
+        vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+        # 1. Decode row: one 1000-token prompt, max_tokens=1, through P/D.
+        prompt = [(17 * i) % (vocab - 20) + 10 for i in range(1000)]
+        transfers = metrics_of(urls["decode"], "vllm:nixl_xfer_time_seconds_count")
+        before = cudagraph_rows(args.out / "decode.log")
+        completion(urls["router"], name, prompt, 1)
+        time.sleep(12)  # vLLM logs CUDA-graph stats every 10 s
+        summary["decode_row"] = {
+            "transfers": metrics_of(urls["decode"], "vllm:nixl_xfer_time_seconds_count") - transfers,
+            "decode_cudagraph_rows_before": before,
+            "decode_cudagraph_rows_after": cudagraph_rows(args.out / "decode.log"),
+            "mode_lines": sorted({line.strip() for line in (args.out / "decode.log").read_text().splitlines() if "cudagraph_mode" in line.lower() and "FULL" in line})[:3],
+        }
+
+        # 2. P/D vs colocated, greedy, 64 tokens.
+        results = []
+        for i in range(args.prompts):
+            p = [(31 * j + 7 * i) % (vocab - 20) + 10 for j in range(200 + 100 * i)]
+            results.append({"prompt_tokens": len(p), **compare(completion(urls["router"], name, p, 64), completion(urls["colocated"], name, p, 64))})
+        summary["pd_vs_colocated"] = results
+        xfer = metrics_of(urls["decode"], "vllm:nixl_xfer_time_seconds_sum") / max(1, metrics_of(urls["decode"], "vllm:nixl_xfer_time_seconds_count"))
+        summary["avg_transfer_ms"] = round(xfer * 1e3, 3)
+
+        # 3. GSM8K through the router vs colocated.
+        gsm = subprocess.run(
+            cli("eval", "gsm8k", "--endpoint", urls["router"], "--baseline", urls["colocated"], "--limit", str(args.gsm8k_limit),
+                "--max-tokens", "128", "--concurrency", "32", "--json", str(args.out / "gsm8k.json"), "--tolerance", "1"),  # fmt: skip
+            capture_output=True, text=True, timeout=900,
+        )
+        summary["gsm8k_exit_code"] = gsm.returncode
+        summary["gsm8k_report"] = gsm.stdout[-3000:]
+        print(gsm.stdout[-3000:], gsm.stderr[-1500:], flush=True)
+    finally:
+        (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
+        print(json.dumps({k: v for k, v in summary.items() if k != "gsm8k_report"}, indent=1), flush=True)
+        if not args.keep_running:
+            for proc in procs.values():
+                stop_group(proc, grace_s=10)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""The parsing and comparison logic of deploy/gpu/pd_check.py (the GPU run itself needs an NVIDIA GPU)."""
+
+import importlib.util
+from pathlib import Path
+
+_spec = importlib.util.spec_from_file_location("pd_check", Path(__file__).parents[1] / "deploy" / "gpu" / "pd_check.py")
+pd_check = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(pd_check)
+
+
+def test_cudagraph_rows_reads_the_last_stats_table(tmp_path):
+    log = tmp_path / "decode.log"
+    log.write_text(
+        "INFO **CUDAGraph Stats:**\n| 8 | 8 | 0 | CUDAGraphMode.FULL | 3 |\n"
+        "INFO **CUDAGraph Stats:**\n"
+        "INFO [cuda_graph.py:117] | Unpadded Tokens | Padded Tokens | Num Paddings | Runtime Mode | Count |\n"
+        "INFO [cuda_graph.py:117] |-----------------|---------------|--------------|--------------|-------|\n"
+        "INFO [cuda_graph.py:117] | 1               | 1             | 0            | FULL         | 1     |\n"
+        "INFO [cuda_graph.py:117] | 999             | 1024          | 25           | CUDAGraphMode.PIECEWISE | 2 |\n"
+    )
+    assert pd_check.cudagraph_rows(log) == [(1, 1, "FULL", 1), (999, 1024, "CUDAGraphMode.PIECEWISE", 2)]
+    empty = tmp_path / "none.log"
+    empty.write_text("no stats here")
+    assert pd_check.cudagraph_rows(empty) == []
+
+
+def _choice(tokens, logprobs, tops):
+    return {"token_ids": tokens, "logprobs": {"token_logprobs": logprobs, "top_logprobs": tops}}
+
+
+def test_compare_reports_first_divergence_and_the_near_tie_there():
+    pd = _choice([1, 2, 3], [-0.1, -0.5, -0.2], [{}, {}, {}])
+    co = _choice([1, 2, 4], [-0.1, -0.52, -0.7], [{}, {}, {"a": -0.7, "b": -0.75}])
+    result = pd_check.compare(pd, co)
+    assert result["first_divergence"] == 2
+    assert abs(result["top2_gap_at_divergence"] - 0.05) < 1e-9
+    assert abs(result["max_logprob_delta_before"] - 0.02) < 1e-9
+
+
+def test_compare_identical():
+    same = _choice([1, 2], [-0.1, -0.2], [{}, {}])
+    assert pd_check.compare(same, same)["first_divergence"] is None
