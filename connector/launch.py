@@ -50,6 +50,8 @@ class WorkerSpec:
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float | None = None
     cpu_threads_bind: str | None = None
+    attention_free: bool = False  # a pure-Mamba model: needs our NIXL connector extension
+    kv_lease_s: int | None = None  # how long a prefill holds state nobody pulled (vLLM default: 30 s)
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
@@ -80,15 +82,26 @@ def kv_transfer_config(spec: WorkerSpec) -> dict | None:
 
     On CPU the KV cache lives in host memory, so NIXL registers and reads host
     buffers (``kv_buffer_device=cpu``); on GPU it reads device memory directly.
+    Models without attention layers load our connector extension.
     """
     role = kv_role(spec.role)
     if role is None:
         return None
-    return {
+    config = {
         "kv_connector": "NixlConnector",
         "kv_role": role,
         "kv_buffer_device": "cpu" if spec.device == "cpu" else "cuda",
     }
+    if spec.attention_free:
+        # vLLM's NIXL handshake assumes an attention layer; connector/nixl_mamba.py is our fix.
+        config["kv_connector_module_path"] = "connector.nixl_mamba"
+    if spec.role == "decode":
+        # A failed or expired pull (prefill restarted, lease ran out, first handshake timed
+        # out) recomputes the prompt locally instead of failing the request (vLLM: "fail").
+        config["kv_load_failure_policy"] = "recompute"
+    if spec.kv_lease_s is not None and spec.role == "prefill":
+        config["kv_connector_extra_config"] = {"kv_lease_duration": spec.kv_lease_s}
+    return config
 
 
 def state_layout_env(spec: WorkerSpec) -> dict[str, str]:

@@ -20,7 +20,11 @@ def _spec(role, **kw):
 def test_roles_get_nixl_connector_with_their_kv_role(role, kv_role):
     launch = build_launch(_spec(role))
     config = json.loads(_flag(launch.argv, "--kv-transfer-config"))
-    assert config == {"kv_connector": "NixlConnector", "kv_role": kv_role, "kv_buffer_device": "cpu"}
+    assert {k: config[k] for k in ("kv_connector", "kv_role", "kv_buffer_device")} == {
+        "kv_connector": "NixlConnector",
+        "kv_role": kv_role,
+        "kv_buffer_device": "cpu",
+    }
 
 
 def test_colocated_server_has_no_connector_and_no_side_channel():
@@ -87,3 +91,23 @@ def test_auto_dtype_is_float32_on_cpu_only():
     assert _flag(build_launch(_spec("decode")).argv, "--dtype") == "float32"
     assert _flag(build_launch(_spec("decode", dtype="bfloat16")).argv, "--dtype") == "bfloat16"
     assert _flag(build_launch(_spec("decode", device="cuda")).argv, "--dtype") == "auto"
+
+
+def test_attention_free_models_load_our_connector_extension_on_both_roles():
+    for role in ("prefill", "decode"):
+        config = json.loads(_flag(build_launch(_spec(role, attention_free=True)).argv, "--kv-transfer-config"))
+        assert config["kv_connector_module_path"] == "connector.nixl_mamba"
+        assert config["kv_connector"] == "NixlConnector"
+    hybrid = json.loads(_flag(build_launch(_spec("decode")).argv, "--kv-transfer-config"))
+    assert "kv_connector_module_path" not in hybrid
+    assert "--kv-transfer-config" not in build_launch(_spec("colocated", attention_free=True)).argv
+
+
+def test_decode_recomputes_when_a_pull_fails_and_prefill_lease_is_configurable():
+    decode = json.loads(_flag(build_launch(_spec("decode")).argv, "--kv-transfer-config"))
+    assert decode["kv_load_failure_policy"] == "recompute"
+    prefill = json.loads(_flag(build_launch(_spec("prefill", kv_lease_s=90)).argv, "--kv-transfer-config"))
+    assert prefill["kv_connector_extra_config"] == {"kv_lease_duration": 90}
+    assert "kv_load_failure_policy" not in prefill
+    assert "kv_connector_extra_config" not in json.loads(_flag(build_launch(_spec("prefill")).argv, "--kv-transfer-config"))
+

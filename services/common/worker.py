@@ -22,6 +22,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from connector.launch import Device, Role, WorkerSpec, build_launch
+from connector.plan import is_attention_free
 from services.common.logs import kv
 from services.common.processes import spawn, stop_group
 from services.common.registration import RouterLink, running_requests, worker_identity
@@ -51,6 +52,7 @@ class WorkerSettings(BaseSettings):
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float | None = None
     cpu_threads_bind: str | None = None
+    kv_lease_s: int | None = None
     ready_timeout_s: float = 900.0
     router_url: str | None = None
     advertise_url: str | None = None
@@ -79,6 +81,8 @@ class WorkerSettings(BaseSettings):
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             gpu_memory_utilization=self.gpu_memory_utilization,
             cpu_threads_bind=self.cpu_threads_bind,
+            attention_free=is_attention_free(model),
+            kv_lease_s=self.kv_lease_s,
             extra_args=tuple(self.vllm_args),
         )
 
@@ -135,7 +139,7 @@ def run_worker(role: Role, settings: WorkerSettings) -> int:
     spec = settings.spec(role)
     launch = build_launch(spec)
     log.info("starting vLLM %s", kv(role=role, port=settings.port, side_channel=settings.side_channel_port))
-    log.debug("vLLM command: %s", " ".join(launch.argv))
+    log.info("vLLM command: %s", " ".join(launch.argv))
     proc = spawn(launch.argv, launch.env, log=subprocess.PIPE)
     tail: collections.deque[str] = collections.deque(maxlen=400)
     relay = threading.Thread(target=_relay, args=(proc.stdout, tail), daemon=True)
