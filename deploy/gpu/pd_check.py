@@ -36,6 +36,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from services.common.processes import free_port, spawn, stop_group  # noqa: E402
+from services.common.prom import metric_sum  # noqa: E402
 from services.common.worker import wait_http_ok  # noqa: E402
 
 SHAPE = dict(
@@ -90,8 +91,7 @@ def cli(*args: str) -> list[str]:
 
 
 def metrics_of(url: str, name: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=10).text
-    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+    return metric_sum(httpx.get(url + "/metrics", timeout=10).text, name)
 
 
 def cudagraph_rows(log: Path) -> list[tuple[int, int, str, int]]:

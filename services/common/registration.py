@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import logging
-import re
 import threading
 import urllib.error
 import urllib.request
@@ -19,6 +18,7 @@ from typing import Any
 from connector.compat import WorkerIdentity
 from connector.launch import CONV_STATE_LAYOUT, Launch, WorkerSpec
 from services.common.logs import kv
+from services.common.prom import metric_label, metric_sum
 
 __all__ = ["RouterLink", "worker_identity", "running_requests"]
 
@@ -43,17 +43,12 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def _metric_label(metrics_text: str, metric: str, label: str) -> str | None:
-    match = re.search(rf'^{re.escape(metric)}\{{[^}}]*\b{label}="([^"]*)"', metrics_text, re.M)
-    return match.group(1) if match else None
-
-
 def worker_identity(spec: WorkerSpec, launch: Launch, vllm_url: str) -> WorkerIdentity:
     """What this worker tells the router: from its spec and from its running vLLM (block size)."""
     block_size = None
     try:
         with urllib.request.urlopen(vllm_url + "/metrics", timeout=5) as resp:
-            value = _metric_label(resp.read().decode(), "vllm:cache_config_info", "block_size")
+            value = metric_label(resp.read().decode(), "vllm:cache_config_info", "block_size")
         block_size = int(value) if value and value.isdigit() else None
     except (urllib.error.URLError, OSError):
         pass
@@ -75,10 +70,7 @@ def running_requests(vllm_url: str) -> float:
     """Requests vLLM is running or has waiting (from its Prometheus gauges)."""
     with urllib.request.urlopen(vllm_url + "/metrics", timeout=5) as resp:
         text = resp.read().decode()
-    total = 0.0
-    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
-        total += sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
-    return total
+    return metric_sum(text, "vllm:num_requests_running") + metric_sum(text, "vllm:num_requests_waiting")
 
 
 class RouterLink:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ import httpx
 
 from connector.compat import IncompatibleWorkers, WorkerIdentity, check_pair, check_worker
 from services.common.logs import kv
+from services.common.prom import metric_label
 
 __all__ = ["Registry", "Worker", "probe_identity"]
 
@@ -156,9 +156,6 @@ class Registry:
         self.expire()
 
 
-_BLOCK_SIZE = re.compile(r'^vllm:cache_config_info\{[^}]*\bblock_size="(\d+)"', re.M)
-
-
 async def probe_identity(client: httpx.AsyncClient, url: str, role: RoleName) -> WorkerIdentity:
     """Identity of a plain vLLM server from what it exposes: model, version, block size.
 
@@ -173,8 +170,8 @@ async def probe_identity(client: httpx.AsyncClient, url: str, role: RoleName) ->
         pass
     block_size = None
     try:
-        match = _BLOCK_SIZE.search((await client.get(url + "/metrics", timeout=5)).text)
-        block_size = int(match.group(1)) if match else None
+        value = metric_label((await client.get(url + "/metrics", timeout=5)).text, "vllm:cache_config_info", "block_size")
+        block_size = int(value) if value and value.isdigit() else None
     except httpx.HTTPError:
         pass
     return WorkerIdentity(role=role, model=entry["id"], block_size=block_size, vllm_version=version)

@@ -7,13 +7,14 @@ of ``hybrid-pd up``, on free ports.
 from __future__ import annotations
 
 import os
-import re
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from services.common.processes import free_port
+from services.common.prom import metric_sum
 from services.default_model import resolve_model
 from services.stack import Stack, StackConfig
 
@@ -70,5 +71,27 @@ def metric(client: httpx.Client | list[httpx.Client], name: str) -> float:
     """Sum of a Prometheus counter/histogram-count series over one or more vLLM servers."""
     if isinstance(client, list):
         return sum(metric(c, name) for c in client)
-    text = client.get("/metrics").text
-    return sum(float(m) for m in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+    return metric_sum(client.get("/metrics").text, name)
+
+
+def wait_for(predicate, timeout_s: float = 30.0) -> bool:
+    """Poll ``predicate`` until it is true or ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.2)
+    return bool(predicate())
+
+
+def settled(read, timeout_s: float = 10.0) -> float:
+    """The value ``read()`` settles on: vLLM's counters lag an answer by up to a stats interval."""
+    deadline = time.monotonic() + timeout_s
+    value = read()
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        latest = read()
+        if latest == value:
+            return value
+        value = latest
+    return value

@@ -7,14 +7,13 @@ each pair's answer equals the colocated server's and the state crosses NIXL.
 from __future__ import annotations
 
 import sys
-import time
 
 import httpx
 import pytest
 
 from services.common.processes import free_port, spawn, stop_group
 from services.common.worker import wait_http_ok
-from tests.e2e.conftest import metric
+from tests.e2e.conftest import metric, settled, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -37,18 +36,6 @@ def tp2_workers(stack, tmp_path_factory):
     finally:
         for proc in procs.values():
             stop_group(proc)
-
-
-def _await(read, timeout_s: float = 10.0) -> float:
-    """The value ``read()`` settles on: vLLM's counters lag the answer by up to a stats interval."""
-    deadline = time.monotonic() + timeout_s
-    value = read()
-    while time.monotonic() < deadline:
-        time.sleep(0.5)
-        if (latest := read()) == value:
-            return value
-        value = latest
-    return value
 
 
 def _pd(prefill: str, decode: str, body: dict) -> dict:
@@ -78,4 +65,5 @@ def test_heterogeneous_tp_equals_colocated(direction, stack, tp2_workers, coloca
             assert worst <= 1e-4
             # Two transfers either way: the TP1 decode reads both prefill ranks, or each of
             # the two decode ranks reads its half from the TP1 prefill (measured).
-            assert _await(lambda: metric(d, "vllm:nixl_xfer_time_seconds_count") - before) == 2
+            wait_for(lambda: metric(d, "vllm:nixl_xfer_time_seconds_count") - before >= 2, timeout_s=10)
+            assert settled(lambda: metric(d, "vllm:nixl_xfer_time_seconds_count") - before) == 2

@@ -15,7 +15,7 @@ import pytest
 from services.common.processes import free_port
 from services.default_model import resolve_model
 from services.stack import Stack, StackConfig
-from tests.e2e.conftest import metric
+from tests.e2e.conftest import metric, settled, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -61,6 +61,7 @@ def test_pure_mamba_pd_equals_colocated_and_moves_state(mamba_stack):
             assert routed["token_ids"] == baseline["token_ids"]
             worst = max(abs(a - b) for a, b in zip(routed["logprobs"]["token_logprobs"], baseline["logprobs"]["token_logprobs"]))
             assert worst <= 1e-4
-            assert metric(decode, "vllm:nixl_xfer_time_seconds_count") == before + 1
+            assert wait_for(lambda: metric(decode, "vllm:nixl_xfer_time_seconds_count") == before + 1, timeout_s=10)
+            assert settled(lambda: metric(decode, "vllm:nixl_xfer_time_seconds_count")) == before + 1
             assert metric(decode, "vllm:nixl_num_failed_transfers_total") == failed
     decode.close()

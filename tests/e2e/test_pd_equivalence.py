@@ -8,12 +8,11 @@ same model, and the decode worker's own NIXL counters prove one transfer per req
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import pytest
 
-from tests.e2e.conftest import metric
+from tests.e2e.conftest import metric, settled, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -87,14 +86,10 @@ def _transfers(decode_workers: list[httpx.Client]) -> tuple[float, float]:
     )
 
 
-def _await_transfer(decode_workers: list[httpx.Client], before: tuple[float, float]) -> tuple[float, float]:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        now = _transfers(decode_workers)
-        if now != before:
-            return now
-        time.sleep(0.2)
-    return _transfers(decode_workers)
+def _transfers_after(decode_workers: list[httpx.Client], before: tuple[float, float]) -> tuple[float, float]:
+    """The counters once they moved from ``before`` and stopped moving."""
+    wait_for(lambda: _transfers(decode_workers) != before, timeout_s=10)
+    return settled(lambda: _transfers(decode_workers))
 
 
 def _assert_same(routed: tuple[list, list[float]], baseline: tuple[list, list[float]]) -> None:
@@ -114,7 +109,7 @@ def test_completions_equal_colocated_with_one_transfer(case, stream, router, col
     body = _completion_body(COMPLETION_PROMPTS[case], stream)
     before = _transfers(decode_workers)
     routed = _generated("/v1/completions", body, router, model)
-    after = _await_transfer(decode_workers, before)
+    after = _transfers_after(decode_workers, before)
     _assert_same(routed, _generated("/v1/completions", body, colocated, model))
     # A one-token prompt cannot back off to N-1 = 0 tokens: the prefill computes the
     # token, the decode still pulls that state (one transfer) and the answer still matches.
@@ -126,7 +121,7 @@ def test_chat_conversation_equals_colocated_with_one_transfer(stream, router, co
     model = stack.config.served_model_name
     before = _transfers(decode_workers)
     routed = _generated("/v1/chat/completions", _chat_body(stream), router, model)
-    after = _await_transfer(decode_workers, before)
+    after = _transfers_after(decode_workers, before)
     _assert_same(routed, _generated("/v1/chat/completions", _chat_body(stream), colocated, model))
     assert after == (before[0] + 1, before[1])
 
@@ -188,9 +183,8 @@ def test_plan_matches_what_vllm_transfers(prompt_tokens, prefill_worker, decode_
     body = {"model": stack.config.served_model_name, "prompt": _ids(prompt_tokens), "max_tokens": 1}
     prefill = prefill_worker.post("/v1/completions", json={**body, "kv_transfer_params": {"do_remote_decode": True}}).json()
     assert decode_worker.post("/v1/completions", json={**body, "kv_transfer_params": prefill["kv_transfer_params"]}).status_code == 200
-    deadline = time.monotonic() + 10
-    while metric(decode_worker, names[2]) == before[2] and time.monotonic() < deadline:
-        time.sleep(0.2)
+    wait_for(lambda: metric(decode_worker, names[2]) != before[2], timeout_s=10)
+    settled(lambda: metric(decode_worker, names[2]))
     moved, reads, transfers = (metric(decode_worker, n) - b for n, b in zip(names, before, strict=True))
     assert transfers == 1
     assert moved == plan.total_bytes

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from services.common.processes import free_port
 from services.router.app import create_app
 from services.router.settings import RouterSettings
-from tests.e2e.conftest import metric
+from tests.e2e.conftest import metric, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -104,24 +104,15 @@ def _stream_first_chunks(url: str, body: dict, chunks: int):
     return client, response, lines
 
 
-def _wait_for(predicate, timeout_s: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.2)
-    return False
-
-
 def test_client_disconnect_aborts_the_decode_and_frees_the_prefill_state(stack, prefill_worker, decode_workers):
     idle_kv = metric(prefill_worker, "vllm:kv_cache_usage_perc")
     body = {"model": _model(stack), "prompt": "Tell me a long story. " * 30, "max_tokens": 1500, "ignore_eos": True, "stream": True}
     client, response, _ = _stream_first_chunks(stack.url, body, chunks=3)
-    assert _wait_for(lambda: metric(decode_workers, "vllm:num_requests_running") == 1)
+    assert wait_for(lambda: metric(decode_workers, "vllm:num_requests_running") == 1)
     response.close()
     client.close()
-    assert _wait_for(lambda: metric(decode_workers, "vllm:num_requests_running") == 0), "decode request not aborted"
-    assert _wait_for(lambda: metric(prefill_worker, "vllm:kv_cache_usage_perc") <= idle_kv), "prefill still holds state"
+    assert wait_for(lambda: metric(decode_workers, "vllm:num_requests_running") == 0), "decode request not aborted"
+    assert wait_for(lambda: metric(prefill_worker, "vllm:kv_cache_usage_perc") <= idle_kv), "prefill still holds state"
 
 
 @pytest.fixture
@@ -133,7 +124,7 @@ def router_without_prefill(stack):
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    assert _wait_for(lambda: server.started, 10)
+    assert wait_for(lambda: server.started, 10)
     with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
         yield client
     server.should_exit = True
@@ -211,7 +202,7 @@ def test_decode_worker_killed_mid_stream_client_gets_an_error_event_and_traffic_
     body = {"model": _model(stack), "prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True, "stream": True}
     client, response, lines = _stream_first_chunks(stack.url, body, chunks=3)
     busy = []
-    assert _wait_for(lambda: busy.extend(i for i, d in enumerate(decode_workers) if metric(d, "vllm:num_requests_running") >= 1) or busy)
+    assert wait_for(lambda: busy.extend(i for i, d in enumerate(decode_workers) if metric(d, "vllm:num_requests_running") >= 1) or busy)
     serving = busy[0]
     port = int(stack.workers("decode")[serving].url.rsplit(":", 1)[1])
     pid = _vllm_pid_listening_on(port)
