@@ -143,7 +143,8 @@ def _ready_message(stack: Any, model_name: str) -> str:
     baseline = stack.workers("colocated")
     if baseline:
         lines.append(f"colocated baseline: {baseline[0].url}")
-    body = json.dumps({"model": model_name, "prompt": "Hello, my name is", "max_tokens": 16})
+    question = "Question: Maya has 41 beads. She buys 37 more beads. How many beads does Maya have now?\nAnswer:"
+    body = json.dumps({"model": model_name, "prompt": question, "max_tokens": 64, "temperature": 0, "stop": ["Question:"]})
     lines.append(f"try:  curl -s {stack.url}/v1/completions -H 'Content-Type: application/json' -d '{body}'")
     return "\n".join(lines)
 

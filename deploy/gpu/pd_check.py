@@ -14,7 +14,8 @@ then:
    (the recomputed token N), while the colocated server ran the whole prompt;
 2. P/D vs colocated: greedy tokens and logprobs for several prompts, compared up to the
    first divergence, with the top-2 logprob gap at that token (bf16 near-ties);
-3. ``hybrid-pd eval gsm8k`` through the router against the colocated server.
+3. ``hybrid-pd eval gsm8k`` through the router against the colocated server;
+4. with ``--bench 1,8,32``: ``hybrid-pd bench`` P/D (router) vs colocated, 1000-token prompts.
 
 Writes ``summary.json`` and the servers' logs to ``--out``.
 """
@@ -130,7 +131,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--gsm8k-limit", type=int, default=100)
-    ap.add_argument("--keep-running", action="store_true", help="leave the servers up (detached) for later commands")
+    ap.add_argument("--bench", metavar="LEVELS", help="also run `hybrid-pd bench` at these concurrencies, e.g. 1,8,32")
+    ap.add_argument("--skip-checks", action="store_true", help="only the benchmark (with --bench)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     model_dir = Path(os.environ.get("HYBRID_PD_GPU_MODEL", "/tmp/hybrid-pd-gpu-model"))
@@ -168,44 +170,58 @@ def main() -> int:
         time.sleep(11)
 
         vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-        # 1. Decode row: one 1000-token prompt, max_tokens=1, through P/D.
-        prompt = [(17 * i) % (vocab - 20) + 10 for i in range(1000)]
-        transfers = metrics_of(urls["decode"], "vllm:nixl_xfer_time_seconds_count")
-        before = cudagraph_rows(args.out / "decode.log")
-        completion(urls["router"], name, prompt, 1)
-        time.sleep(12)  # vLLM logs CUDA-graph stats every 10 s
-        summary["decode_row"] = {
-            "transfers": metrics_of(urls["decode"], "vllm:nixl_xfer_time_seconds_count") - transfers,
-            "decode_cudagraph_rows_before": before,
-            "decode_cudagraph_rows_after": cudagraph_rows(args.out / "decode.log"),
-            "mode_lines": sorted({line.strip() for line in (args.out / "decode.log").read_text().splitlines() if "cudagraph_mode" in line.lower() and "FULL" in line})[:3],
-        }
-
-        # 2. P/D vs colocated, greedy, 64 tokens.
-        results = []
-        for i in range(args.prompts):
-            p = [(31 * j + 7 * i) % (vocab - 20) + 10 for j in range(200 + 100 * i)]
-            results.append({"prompt_tokens": len(p), **compare(completion(urls["router"], name, p, 64), completion(urls["colocated"], name, p, 64))})
-        summary["pd_vs_colocated"] = results
-        xfer = metrics_of(urls["decode"], "vllm:nixl_xfer_time_seconds_sum") / max(1, metrics_of(urls["decode"], "vllm:nixl_xfer_time_seconds_count"))
-        summary["avg_transfer_ms"] = round(xfer * 1e3, 3)
-
-        # 3. GSM8K through the router vs colocated.
-        gsm = subprocess.run(
-            cli("eval", "gsm8k", "--endpoint", urls["router"], "--baseline", urls["colocated"], "--limit", str(args.gsm8k_limit),
-                "--max-tokens", "128", "--concurrency", "32", "--json", str(args.out / "gsm8k.json"), "--tolerance", "1"),  # fmt: skip
-            capture_output=True, text=True, timeout=900,
-        )
-        summary["gsm8k_exit_code"] = gsm.returncode
-        summary["gsm8k_report"] = gsm.stdout[-3000:]
-        print(gsm.stdout[-3000:], gsm.stderr[-1500:], flush=True)
+        if not args.skip_checks:
+            run_checks(args, urls, name, vocab, summary)
+        if args.bench:
+            bench = subprocess.run(
+                cli("bench", "--endpoint", urls["router"], "--baseline", urls["colocated"], "--concurrency", args.bench,
+                    "--input-len", "1000", "--output-len", "64", "--num-prompts", "64", "--slo-ttft-ms", "500",
+                    "--slo-itl-ms", "20", "--json", str(args.out / "bench.json")),  # fmt: skip
+                capture_output=True, text=True, timeout=900,
+            )
+            summary["bench_exit_code"] = bench.returncode
+            print(bench.stdout[-6000:], bench.stderr[-2000:], flush=True)
     finally:
         (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
         print(json.dumps({k: v for k, v in summary.items() if k != "gsm8k_report"}, indent=1), flush=True)
-        if not args.keep_running:
-            for proc in procs.values():
-                stop_group(proc, grace_s=10)
+        for proc in procs.values():
+            stop_group(proc, grace_s=10)
     return 0
+
+
+def run_checks(args: argparse.Namespace, urls: dict[str, str], name: str, vocab: int, summary: dict) -> None:
+    """Checks 1-3: decode row, P/D vs colocated, GSM8K."""
+    # 1. Decode row: one 1000-token prompt, max_tokens=1, through P/D.
+    prompt = [(17 * i) % (vocab - 20) + 10 for i in range(1000)]
+    transfers = metrics_of(urls["decode"], "vllm:nixl_xfer_time_seconds_count")
+    before = cudagraph_rows(args.out / "decode.log")
+    completion(urls["router"], name, prompt, 1)
+    time.sleep(12)  # vLLM logs CUDA-graph stats every 10 s
+    summary["decode_row"] = {
+        "transfers": metrics_of(urls["decode"], "vllm:nixl_xfer_time_seconds_count") - transfers,
+        "decode_cudagraph_rows_before": before,
+        "decode_cudagraph_rows_after": cudagraph_rows(args.out / "decode.log"),
+        "mode_lines": sorted({line.strip() for line in (args.out / "decode.log").read_text().splitlines() if "cudagraph_mode" in line.lower() and "FULL" in line})[:3],
+    }
+
+    # 2. P/D vs colocated, greedy, 64 tokens.
+    results = []
+    for i in range(args.prompts):
+        p = [(31 * j + 7 * i) % (vocab - 20) + 10 for j in range(200 + 100 * i)]
+        results.append({"prompt_tokens": len(p), **compare(completion(urls["router"], name, p, 64), completion(urls["colocated"], name, p, 64))})
+    summary["pd_vs_colocated"] = results
+    xfer = metrics_of(urls["decode"], "vllm:nixl_xfer_time_seconds_sum") / max(1, metrics_of(urls["decode"], "vllm:nixl_xfer_time_seconds_count"))
+    summary["avg_transfer_ms"] = round(xfer * 1e3, 3)
+
+    # 3. GSM8K through the router vs colocated.
+    gsm = subprocess.run(
+        cli("eval", "gsm8k", "--endpoint", urls["router"], "--baseline", urls["colocated"], "--limit", str(args.gsm8k_limit),
+            "--max-tokens", "128", "--concurrency", "32", "--json", str(args.out / "gsm8k.json"), "--tolerance", "1"),  # fmt: skip
+        capture_output=True, text=True, timeout=900,
+    )
+    summary["gsm8k_exit_code"] = gsm.returncode
+    summary["gsm8k_report"] = gsm.stdout[-3000:]
+    print(gsm.stdout[-3000:], gsm.stderr[-1500:], flush=True)
 
 
 if __name__ == "__main__":
