@@ -17,6 +17,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from services.common.logs import configure_logging
+from services.bench.cli import add_bench_parser, run_bench
 from services.eval.cli import add_eval_parser, run_eval
 
 __all__ = ["main", "build_parser"]
@@ -84,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
         _worker_arguments(sub.add_parser(role, help=f"run a {role} worker (vLLM + NIXL connector)"))
     _worker_arguments(sub.add_parser("colocated", help="run a plain vLLM server (the baseline P/D is compared to)"))
     add_eval_parser(sub)
+    add_bench_parser(sub)
 
     plan = sub.add_parser("plan", help="bytes and reads of the state one request moves, per TP layout")
     plan.add_argument("--model", help="model directory (default: the embedded model)")
@@ -218,7 +220,7 @@ def _run_up(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
-    runners = {"up": _run_up, "router": _run_router, "prefill": _run_worker, "decode": _run_worker, "colocated": _run_worker, "eval": run_eval, "plan": _run_plan}
+    runners = {"up": _run_up, "router": _run_router, "prefill": _run_worker, "decode": _run_worker, "colocated": _run_worker, "eval": run_eval, "bench": run_bench, "plan": _run_plan}
     try:
         return runners[args.command](args)
     except ValidationError as exc:

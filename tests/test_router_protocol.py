@@ -281,3 +281,17 @@ async def test_unknown_route_and_method_are_openai_errors(client):
     assert r.status_code == 404 and "error" in r.json()
     r = await client.get("/v1/completions")
     assert r.status_code == 405 and "error" in r.json()
+
+
+async def test_health_is_503_until_a_decode_worker_is_available_and_requests_recheck_evicted_workers(client, workers):
+    app_state = client._transport.app.state.router
+    decode = app_state.registry.role("decode")[0]
+    for _ in range(3):
+        app_state.registry.record_health(decode, ok=False)
+    assert not decode.available
+    r = await client.get("/health")
+    assert r.status_code == 503
+    # The worker answers its health check again: a request re-checks at once instead of answering 503.
+    r = await client.post("/v1/completions", json={"model": "m", "prompt": "hi"})
+    assert r.status_code == 200 and decode.available
+    assert (await client.get("/health")).status_code == 200

@@ -119,12 +119,15 @@ def create_app(settings: RouterSettings, transport: httpx.AsyncBaseTransport | N
         return JSONResponse(error_body(405, f"{request.method} not allowed on {request.url.path}"), status_code=405)
 
     @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return {
-            "status": "ok",
+    async def health() -> JSONResponse:
+        """200 when a decode worker can take requests (prefill workers are optional: local prefill), else 503."""
+        ready = any(w.available for w in registry.role("decode"))
+        body = {
+            "status": "ok" if ready else "no decode worker available",
             "prefill": [w.url for w in registry.role("prefill")],
             "decode": [w.url for w in registry.role("decode")],
         }
+        return JSONResponse(body, status_code=200 if ready else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -253,6 +256,8 @@ async def _route(state: RouterState, path: str, body: dict[str, Any], request_id
     tried: set[str] = set()
     prefill_s = 0.0
     for attempt in range(2):
+        if not any(w.available for w in state.registry.role("decode")):
+            await state.registry.check_all(client)  # evicted workers may be back: look now, not at the next round
         decode = _choose(state, state.registry.role("decode"), state.decode_policy, info, tried, "decode")
         kv_params, prefill_usage = None, None
         if info.est_tokens < settings.local_prefill_below_tokens:
