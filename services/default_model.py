@@ -1,148 +1,41 @@
-"""The embedded default model: a tiny NemotronH-style hybrid built locally.
+"""The embedded default model: ``hybrid-pd-tiny``, a small trained hybrid shipped with the package.
 
-No model hub is reachable, so ``hybrid-pd up`` without ``--model`` serves a model
-that this module builds deterministically on first use: Mamba2 and attention
-layers (pattern ``M*M-``: mamba, attention, mamba, mlp), random weights from a
-fixed seed, and a byte-level BPE tokenizer trained on a fixed corpus with a chat
-template. The result is an ordinary Hugging Face model directory that vLLM loads
-through its normal path.
+No model hub is reachable, so ``hybrid-pd up`` without ``--model`` serves the model
+directory that ships as package data in ``services/models/hybrid-pd-tiny``: a NemotronH
+hybrid (Mamba2, attention and MLP layers) trained on synthetic GSM8K-format word problems
+by :mod:`services.models.train`, with a digit-level BPE tokenizer and a chat template. It is
+an ordinary Hugging Face model directory that vLLM loads through its normal path.
 
-This module is the only place that knows how the default model is made, so a
-trained replacement only has to change :func:`build_default_model`.
+Every service resolves the default here, to the same packaged bytes, so a prefill and a
+decode worker started without ``--model`` (in two containers, say) serve identical weights.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
-__all__ = ["DEFAULT_MODEL_NAME", "build_default_model", "default_model_dir", "ensure_default_model", "resolve_model"]
+__all__ = ["DEFAULT_MODEL_NAME", "default_model_dir", "ensure_default_model", "resolve_model"]
 
 DEFAULT_MODEL_NAME = "hybrid-pd-tiny"
 
-# The layer pattern and shape. Heads and groups are even so tensor parallel 2 splits them.
-_CONFIG = dict(
-    vocab_size=512,
-    hidden_size=128,
-    layers_block_type=["mamba", "attention", "mamba", "mlp"],
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    intermediate_size=256,
-    mamba_num_heads=8,
-    mamba_head_dim=32,
-    n_groups=2,
-    ssm_state_size=32,
-    conv_kernel=4,
-    chunk_size=128,
-    max_position_embeddings=4096,
-    use_mamba_kernels=False,
-    initializer_range=0.05,
-    tie_word_embeddings=False,
-)
-_SEED = 0
-
-_CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
-_SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
-
-_CORPUS = [
-    "The quick brown fox jumps over the lazy dog.",
-    "Disaggregated serving splits prefill and decode across workers.",
-    "A state space model keeps a fixed-size state per sequence.",
-    "Mamba layers mix with attention layers in hybrid models.",
-    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.",
-    "How many clips did Natalia sell altogether in April and May? #### 72",
-    "Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting.",
-    "0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 100 1000 + - * / = ( ) < > ####",
-    "Hello! How are you today? I am fine, thank you. What can I do for you?",
-    "The system prompt tells the assistant what to do. The user asks a question.",
-]
-
-
-def _fingerprint() -> str:
-    """A short hash of everything that determines the model's bytes."""
-    recipe = json.dumps([_CONFIG, _SEED, _CHAT_TEMPLATE, _SPECIAL_TOKENS, _CORPUS], sort_keys=True)
-    return hashlib.sha256(recipe.encode()).hexdigest()[:12]
+# What vLLM needs from the directory.
+_REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
 
 def default_model_dir() -> Path:
-    """Where the default model lives: ``$HYBRID_PD_HOME/models/...`` (default ``~/.cache/hybrid-pd``)."""
-    home = Path(os.environ.get("HYBRID_PD_HOME", Path.home() / ".cache" / "hybrid-pd"))
-    return home / "models" / f"{DEFAULT_MODEL_NAME}-{_fingerprint()}"
-
-
-def _build_tokenizer(out: Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=_CONFIG["vocab_size"],
-        special_tokens=_SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        pad_token="<|pad|>",
-        bos_token="<|bos|>",
-        eos_token="<|eos|>",
-        model_max_length=_CONFIG["max_position_embeddings"],
-    )
-    fast.chat_template = _CHAT_TEMPLATE
-    fast.save_pretrained(out)
-
-
-def build_default_model(out: Path) -> None:
-    """Write the default model (config, safetensors weights, tokenizer) into ``out``."""
-    import torch
-    from transformers import AutoModelForCausalLM, NemotronHConfig
-
-    _build_tokenizer(out)
-    config = NemotronHConfig(
-        **_CONFIG,
-        pad_token_id=_SPECIAL_TOKENS.index("<|pad|>"),
-        bos_token_id=_SPECIAL_TOKENS.index("<|bos|>"),
-        eos_token_id=_SPECIAL_TOKENS.index("<|eos|>"),
-        architectures=["NemotronHForCausalLM"],
-    )
-    torch.manual_seed(_SEED)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(out)
+    """Where the default model lives: the package data directory ``services/models/hybrid-pd-tiny``."""
+    return Path(__file__).resolve().parent / "models" / DEFAULT_MODEL_NAME
 
 
 def ensure_default_model() -> Path:
-    """Return the default model's directory, building it first if it is missing.
-
-    The build goes to a temporary directory that is renamed into place, so
-    concurrent callers never see a half-written model.
-    """
+    """Return the default model's directory, after checking that the package data is all there."""
     target = default_model_dir()
-    if (target / "config.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
-    try:
-        build_default_model(tmp)
-        try:
-            tmp.rename(target)
-        except OSError:
-            if not (target / "config.json").is_file():  # lost a race only if the winner finished
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    missing = [name for name in _REQUIRED_FILES if not (target / name).is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"the embedded default model {target} lacks {', '.join(missing)}: reinstall hybrid-pd with its "
+            "package data, rebuild it with `python -m services.models.train`, or pass --model"
+        )
     return target
 
 

@@ -51,7 +51,7 @@ def test_heterogeneous_tp_equals_colocated(direction, stack, tp2_workers, coloca
         prefill, decode = tp2_workers["prefill"], stack.workers("decode")[0].url
     else:
         prefill, decode = stack.workers("prefill")[0].url, tp2_workers["decode"]
-    body = {"model": stack.config.served_model_name, "max_tokens": 8, "temperature": 0, "logprobs": 1, "return_token_ids": True}
+    body = {"model": stack.config.served_model_name, "max_tokens": 8, "temperature": 0, "logprobs": 1, "return_token_ids": True, "ignore_eos": True}
     # vLLM's first handshake with a new peer can stall until the prefill's lease runs out
     # (~30 s on this machine); the decode worker then recomputes. Warm it up first.
     _pd(prefill, decode, {**body, "prompt": "warm up"})

@@ -43,11 +43,13 @@ CHAT = [
 
 
 def _completion_body(prompt, stream: bool) -> dict:
-    return {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 1, "stream": stream, "return_token_ids": True}
+    return {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 1, "stream": stream, "return_token_ids": True,
+            "ignore_eos": True}  # fmt: skip
 
 
 def _chat_body(stream: bool) -> dict:
-    return {"messages": CHAT, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": True, "top_logprobs": 1, "stream": stream}
+    return {"messages": CHAT, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": True, "top_logprobs": 1, "stream": stream,
+            "ignore_eos": True}  # fmt: skip
 
 
 def _generated(path: str, body: dict, client: httpx.Client, model: str) -> tuple[list, list[float]]:
@@ -127,7 +129,7 @@ def test_chat_conversation_equals_colocated_with_one_transfer(stream, router, co
 
 
 def test_usage_counts_prompt_from_prefill_and_completion_from_decode(router, colocated, stack):
-    body = {"model": stack.config.served_model_name, "prompt": _ids(50), "max_tokens": 5, "temperature": 0}
+    body = {"model": stack.config.served_model_name, "prompt": _ids(50), "max_tokens": 5, "temperature": 0, "ignore_eos": True}
     routed = router.post("/v1/completions", json=body).json()["usage"]
     baseline = colocated.post("/v1/completions", json=body).json()["usage"]
     assert routed["prompt_tokens"] == baseline["prompt_tokens"] == 50
@@ -160,7 +162,7 @@ def test_decode_output_depends_on_the_transferred_state(prefill_worker, decode_w
         "/v1/completions",
         json={"model": model, "prompt": prompt_a, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
     ).json()
-    decode_b = {"model": model, "prompt": prompt_b, "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True}
+    decode_b = {"model": model, "prompt": prompt_b, "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True, "ignore_eos": True}
     crossed = decode_worker.post("/v1/completions", json={**decode_b, "kv_transfer_params": prefill["kv_transfer_params"]})
     crossed_tokens = crossed.json()["choices"][0]["token_ids"]
 
