@@ -411,6 +411,14 @@ def _package(frame: str) -> str:
 # ---------------------------------------------------------------- main
 
 
+def _shown(value: Any) -> Any:
+    """Paths relative to the repository when inside it (the JSON stays the same on every checkout)."""
+    if isinstance(value, Path):
+        path = value.resolve()
+        return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+    return value
+
+
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
@@ -492,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
         results.append({k: round(v, 4) if isinstance(v, float) else v for k, v in entry.items()})
     report = {
         "command": command_line.strip(),
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if not k.startswith("profile")},
+        "config": {k: _shown(v) for k, v in vars(args).items() if not k.startswith("profile")},
         "environment": environment,
         "notes": notes,
         "cases": results,
