@@ -12,6 +12,7 @@ import json
 import os
 import threading
 import time
+import uuid
 
 import httpx
 import pytest
@@ -28,9 +29,10 @@ QUESTIONS = int(os.environ.get("HYBRID_PD_GATE_QUESTIONS", "30"))
 TARGET = 0.8  # the trained model's strict-match target on its own synthetic test split
 
 
-def _eval(endpoint: str, baseline: str, out, *extra: str) -> tuple[int, dict]:
+def _eval(endpoint: str, baseline: str, out, *extra: str, questions: int = QUESTIONS) -> tuple[int, dict]:
     code = hybrid_pd(["eval", "gsm8k", "--dataset", "synthetic", "--endpoint", endpoint, "--baseline", baseline,
-                      "--limit", str(QUESTIONS), "--shots", "0", "--concurrency", "4", "--json", str(out), *extra])  # fmt: skip
+                      "--limit", str(questions), "--shots", "0", "--max-tokens", "96", "--concurrency", "4",
+                      "--json", str(out), *extra])  # fmt: skip
     return code, json.loads(out.read_text())
 
 
@@ -65,7 +67,8 @@ class _OtherRequestsState(httpx.AsyncBaseTransport):
         if params.get("do_remote_decode"):
             previous, self._last_prefill = self._last_prefill, request
             if previous is not None:
-                again = await self._inner.handle_async_request(httpx.Request("POST", previous.url, headers=previous.headers, content=previous.content))
+                headers = {**previous.headers, "x-request-id": uuid.uuid4().hex}  # a request of its own
+                again = await self._inner.handle_async_request(httpx.Request("POST", previous.url, headers=headers, content=previous.content))
                 await again.aread()
                 self._other = json.loads(again.content)["kv_transfer_params"]
             else:
@@ -95,7 +98,7 @@ def broken_router(stack):
 def test_gate_fails_when_the_hand_off_is_broken(stack, broken_router, tmp_path):
     colocated = stack.workers("colocated")[0].url
     code, report = _eval(broken_router, colocated, tmp_path / "broken.json", "--tolerance", "0", "--min-agreement", "1",
-                         "--concurrency", "1")  # fmt: skip
+                         "--concurrency", "1", questions=6)  # fmt: skip
     print(f"\nnegative control: agreement {report['comparison']['agreement']}, verdict {report['verdict']}")
     assert code != 0
     assert report["comparison"]["agreement"] < 1.0
