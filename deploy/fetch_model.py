@@ -3,8 +3,8 @@
 The ``model`` service of the compose files runs this once, then the prefill and
 decode workers start from the same files. ``MODEL`` is one of:
 
-- empty: the embedded default model, built into ``$HYBRID_PD_HOME`` (a volume
-  the workers share, so they do not build it twice);
+- empty: the embedded default model, shipped with the package (``services/models/hybrid-pd-tiny``):
+  checked;
 - an absolute path (a directory of ``MODEL_DIR``, mounted at ``/models``): checked;
 - a Hugging Face id (``org/name``): downloaded into ``$HF_HOME`` with ``$HF_TOKEN``.
 

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from services.common.arg_types import at_least
+
 if TYPE_CHECKING:
     from services.bench.report import BenchReport
     from services.bench.runner import Load
@@ -25,18 +27,6 @@ log = logging.getLogger("hybrid_pd.bench")
 
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
 DEFAULT_WARMUP = 1
-
-
-def _count(minimum: int) -> Callable[[str], int]:
-    """An argparse type: an integer of at least ``minimum``."""
-
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
-        return value
-
-    return parse
 
 
 def _positive(text: str) -> float:
@@ -94,9 +84,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="R[,R...]",
         help="load levels as Poisson arrival rates in requests/s (inf: all at once)",
     )
-    p.add_argument("--input-len", type=_count(1), required=True, metavar="N", help="prompt tokens per request")
-    p.add_argument("--output-len", type=_count(1), required=True, metavar="M", help="output tokens per request")
-    p.add_argument("--num-prompts", type=_count(1), required=True, metavar="K", help="requests per level and target")
+    p.add_argument("--input-len", type=at_least(1), required=True, metavar="N", help="prompt tokens per request")
+    p.add_argument("--output-len", type=at_least(1), required=True, metavar="M", help="output tokens per request")
+    p.add_argument("--num-prompts", type=at_least(1), required=True, metavar="K", help="requests per level and target")
     p.add_argument("--slo-ttft-ms", type=_positive, metavar="X", help="goodput: time to first token at most X ms")
     p.add_argument("--slo-itl-ms", type=_positive, metavar="Y", help="goodput: mean inter-token latency at most Y ms")
     p.add_argument("--json", dest="json_out", type=Path, metavar="OUT", help="write the report (every request too)")
@@ -105,14 +95,14 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts and of the arrival times (default 0)")
     p.add_argument(
         "--vocab-size",
-        type=_count(1),
+        type=at_least(1),
         metavar="V",
         help="draw token ids from [0, V) (default: the served model's tokenizer when its directory is readable "
         "here, else 256)",
     )
     p.add_argument(
         "--warmup",
-        type=_count(0),
+        type=at_least(0),
         default=DEFAULT_WARMUP,
         metavar="W",
         help=f"unmeasured requests per target before the first level (default {DEFAULT_WARMUP})",

@@ -12,9 +12,11 @@ import argparse
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from services.common.arg_types import at_least
 
 if TYPE_CHECKING:
     from services.eval.data import Problem
@@ -27,18 +29,6 @@ log = logging.getLogger("hybrid_pd.eval")
 DEFAULT_CONCURRENCY = 32
 DEFAULT_TOLERANCE = 0.05  # vLLM's NIXL P/D accuracy test's tolerance on gsm8k strict-match
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
-
-
-def _count(minimum: int) -> Callable[[str], int]:
-    """An argparse type: an integer of at least ``minimum``."""
-
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
-        return value
-
-    return parse
 
 
 def _fraction(text: str) -> float:
@@ -82,17 +72,17 @@ def _add_tasks(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--baseline", metavar="URL", help="a server to compare with, e.g. colocated vLLM http://colocated:8000"
     )
-    p.add_argument("--limit", type=_count(1), metavar="N", help="only the first N test questions (default: all)")
+    p.add_argument("--limit", type=at_least(1), metavar="N", help="only the first N test questions (default: all)")
     p.add_argument(
         "--shots",
-        type=_count(0),
+        type=at_least(0),
         default=DEFAULT_SHOTS,
         metavar="K",
         help=f"solved train examples before each question (default {DEFAULT_SHOTS})",
     )
     p.add_argument(
         "--concurrency",
-        type=_count(1),
+        type=at_least(1),
         default=DEFAULT_CONCURRENCY,
         metavar="C",
         help=f"requests in flight per endpoint (default {DEFAULT_CONCURRENCY})",
@@ -128,7 +118,7 @@ def _add_tasks(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="model name to request (default: the first of each endpoint's /v1/models)")
     p.add_argument(
         "--max-tokens",
-        type=_count(1),
+        type=at_least(1),
         default=DEFAULT_MAX_TOKENS,
         metavar="M",
         help=f"generation limit per question (default {DEFAULT_MAX_TOKENS})",
