@@ -195,9 +195,16 @@ async def _read_body(request: Request, limit: int) -> dict[str, Any]:
 
 
 def _is_prompt_list(body: dict[str, Any]) -> bool:
-    """A completions request with several prompts (strings or token-id lists)."""
+    """A completions request with several prompts: all strings or all token-id lists.
+
+    Anything else (a mixed list, say) goes to vLLM as it came, so the client gets vLLM's own 400.
+    """
     prompt = body.get("prompt")
-    return isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt)
+    if not isinstance(prompt, list) or len(prompt) < 2:
+        return False
+    return all(isinstance(p, str) for p in prompt) or all(
+        isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompt
+    )
 
 
 async def _serve(state: RouterState, request: Request, path: str) -> Response:

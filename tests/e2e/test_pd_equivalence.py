@@ -193,3 +193,27 @@ def test_plan_matches_what_vllm_transfers(prompt_tokens, prefill_worker, decode_
     # Adjacent KV blocks go in one descriptor, so reads reach the plan's bound only when no two blocks touch.
     mamba_reads = 4 * model_shape(stack.config.model).mamba_layers
     assert mamba_reads + 1 <= reads <= plan.max_reads_per_decode_rank
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{"n": 2, "temperature": 0.8, "seed": 7}, {"echo": True}, {"stop": ["#"]}, {"prompt": ["Hello world", "Question: x"]},
+     {"prompt": [[17, 42, 99], [5, 6]]}],
+    ids=["n_seeded", "echo", "stop", "prompt_list", "token_id_prompt_list"],
+)
+def test_openai_options_answer_as_colocated(extra, router, colocated, stack):
+    body = {"model": stack.config.served_model_name, "prompt": "Question: Maya has 41 beads.", "max_tokens": 8,
+            "temperature": 0, "return_token_ids": True, "ignore_eos": True, **extra}  # fmt: skip
+    routed = router.post("/v1/completions", json=body)
+    baseline = colocated.post("/v1/completions", json=body)
+    assert routed.status_code == baseline.status_code == 200, routed.text
+    pick = lambda answer: [(c["index"], c["text"], c["token_ids"]) for c in answer["choices"]]  # noqa: E731
+    assert pick(routed.json()) == pick(baseline.json())
+    assert routed.json()["usage"]["completion_tokens"] == baseline.json()["usage"]["completion_tokens"]
+
+
+def test_a_mixed_prompt_list_gets_vllms_own_400(router, colocated, stack):
+    body = {"model": stack.config.served_model_name, "prompt": ["Hello", [17, 42]], "max_tokens": 4}
+    routed, baseline = router.post("/v1/completions", json=body), colocated.post("/v1/completions", json=body)
+    assert routed.status_code == baseline.status_code == 400
+    assert routed.json()["error"]["message"] == baseline.json()["error"]["message"]
