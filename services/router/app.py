@@ -18,7 +18,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager, suppress
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import httpx
@@ -66,7 +66,6 @@ class Routed:
     decode: Worker
     release: Callable[[], None]
     sent_at: float
-    extra_headers: dict[str, str] = field(default_factory=dict)
 
 
 def create_app(settings: RouterSettings, transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
