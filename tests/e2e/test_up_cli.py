@@ -40,7 +40,7 @@ def test_up_serves_then_sigterm_stops_every_process_and_frees_every_port(tmp_pat
                 break
         assert f"http://127.0.0.1:{port}" in printed[-1]
         model = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=30).json()["data"][0]["id"]
-        answer = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": model, "prompt": "Question: Maya has 41 beads. She buys 37 more beads. How many beads does Maya have now?\nAnswer:", "max_tokens": 32, "temperature": 0}, timeout=60)
+        answer = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": model, "prompt": "Question: Maya has 41 beads. She buys 37 more beads. How many beads does Maya have now?\nAnswer:", "max_tokens": 64, "temperature": 0, "stop": ["Question:"]}, timeout=60)
         assert answer.status_code == 200
         if not os.environ.get("HYBRID_PD_TEST_MODEL"):  # the trained default answers the demo's question
             assert "#### 78" in answer.json()["choices"][0]["text"]
