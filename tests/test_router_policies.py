@@ -106,3 +106,9 @@ def test_registering_again_keeps_the_id():
     first = registry.add(_w("http://d"))
     again = registry.add(_w("http://d"))
     assert again.id == first.id and len(registry.all()) == 1
+
+
+def test_request_info_never_fails_on_malformed_fields():
+    """Found by the e2e fuzz run: ``{"messages": true}`` was a 500; vLLM must get to say 400."""
+    for body in ({"messages": True}, {"messages": "hi"}, {"prompt": None}, {"messages": [1, None]}):
+        RequestInfo.from_body(body)

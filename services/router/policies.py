@@ -33,7 +33,8 @@ class RequestInfo:
         Size is exact for token-id prompts and estimated at 4 bytes a token for text.
         """
         if "messages" in body:
-            text = "".join(str(m.get("content", "")) for m in body.get("messages") or [] if isinstance(m, dict))
+            messages = body["messages"] if isinstance(body["messages"], list) else []  # vLLM rejects the rest
+            text = "".join(str(m.get("content", "")) for m in messages if isinstance(m, dict))
             tokens = None
         else:
             prompt = body.get("prompt", "")
