@@ -12,6 +12,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Literal
 
+from connector.nixl_progress import DELAY_ENV
+
 __all__ = ["Launch", "Role", "Device", "WorkerSpec", "build_launch", "kv_transfer_config"]
 
 Role = Literal["prefill", "decode", "colocated"]
@@ -20,6 +22,10 @@ Device = Literal["cpu", "cuda"]
 # The conv-state layout both roles must use. The DS layout, (dim, state_len), is the
 # one vLLM's NIXL connector can transfer for Mamba layers (and split across TP ranks).
 CONV_STATE_LAYOUT = "DS"
+
+# NIXL's progress thread on CPU workers: sleep up to this long between polls instead of
+# spinning a core (connector/nixl_progress.py says why).
+CPU_NIXL_PROGRESS_DELAY_US = 1000
 
 # On CPU, the KV cache is carved out of host memory. vLLM's default (a fraction of
 # the NUMA node) fails as soon as two servers share a machine; tiny models need little.
@@ -82,7 +88,8 @@ def kv_transfer_config(spec: WorkerSpec) -> dict | None:
 
     On CPU the KV cache lives in host memory, so NIXL registers and reads host
     buffers (``kv_buffer_device=cpu``); on GPU it reads device memory directly.
-    Models without attention layers load our connector extension.
+    CPU workers and models without attention layers load our connector
+    (``connector/nixl_connector.py``): vLLM's, plus the fixes they need.
     """
     role = kv_role(spec.role)
     if role is None:
@@ -92,9 +99,8 @@ def kv_transfer_config(spec: WorkerSpec) -> dict | None:
         "kv_role": role,
         "kv_buffer_device": "cpu" if spec.device == "cpu" else "cuda",
     }
-    if spec.attention_free:
-        # vLLM's NIXL handshake assumes an attention layer; connector/nixl_mamba.py is our fix.
-        config["kv_connector_module_path"] = "connector.nixl_mamba"
+    if spec.attention_free or spec.device == "cpu":
+        config["kv_connector_module_path"] = "connector.nixl_connector"
     if spec.role == "decode":
         # A failed or expired pull (prefill restarted, lease ran out, first handshake timed
         # out) recomputes the prompt locally instead of failing the request (vLLM: "fail").
@@ -139,6 +145,19 @@ def ucx_env(spec: WorkerSpec) -> dict[str, str]:
     if spec.device == "cpu":
         return {"UCX_TLS": "tcp,self,sm", "UCX_NET_DEVICES": "lo"}
     return {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
+
+
+def nixl_progress_env(spec: WorkerSpec) -> dict[str, str]:
+    """On CPU, NIXL's progress thread sleeps between polls instead of spinning a core.
+
+    Three spinning threads (a prefill and two decode workers) on a 2-core machine
+    made transfers take up to 44 s and outlive the prefill's KV lease (measured);
+    see ``connector/nixl_progress.py``. GPU workers keep NIXL's busy polling: a
+    host core per worker buys the lowest transfer latency there.
+    """
+    if spec.role == "colocated" or spec.device != "cpu":
+        return {}
+    return {DELAY_ENV: str(CPU_NIXL_PROGRESS_DELAY_US)}
 
 
 def prefix_caching_args(spec: WorkerSpec) -> list[str]:
@@ -224,6 +243,7 @@ def build_launch(spec: WorkerSpec) -> Launch:
         **state_layout_env(spec),
         **side_channel_env(spec),
         **ucx_env(spec),
+        **nixl_progress_env(spec),
         **device_env(spec),
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",

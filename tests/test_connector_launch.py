@@ -5,6 +5,7 @@ import json
 import pytest
 
 from connector.launch import WorkerSpec, build_launch
+from connector.nixl_progress import DELAY_ENV
 
 
 def _flag(argv, name):
@@ -93,14 +94,22 @@ def test_auto_dtype_is_float32_on_cpu_only():
     assert _flag(build_launch(_spec("decode", device="cuda")).argv, "--dtype") == "auto"
 
 
-def test_attention_free_models_load_our_connector_extension_on_both_roles():
+def test_cpu_workers_and_attention_free_models_load_our_connector_on_both_roles():
     for role in ("prefill", "decode"):
-        config = json.loads(_flag(build_launch(_spec(role, attention_free=True)).argv, "--kv-transfer-config"))
-        assert config["kv_connector_module_path"] == "connector.nixl_mamba"
-        assert config["kv_connector"] == "NixlConnector"
-    hybrid = json.loads(_flag(build_launch(_spec("decode")).argv, "--kv-transfer-config"))
-    assert "kv_connector_module_path" not in hybrid
+        for spec in (_spec(role), _spec(role, device="cuda", attention_free=True)):
+            config = json.loads(_flag(build_launch(spec).argv, "--kv-transfer-config"))
+            assert config["kv_connector_module_path"] == "connector.nixl_connector"
+            assert config["kv_connector"] == "NixlConnector"
+    gpu_hybrid = json.loads(_flag(build_launch(_spec("decode", device="cuda")).argv, "--kv-transfer-config"))
+    assert "kv_connector_module_path" not in gpu_hybrid
     assert "--kv-transfer-config" not in build_launch(_spec("colocated", attention_free=True)).argv
+
+
+def test_nixl_progress_thread_is_throttled_on_cpu_workers_only():
+    assert build_launch(_spec("prefill")).env[DELAY_ENV] == "1000"
+    assert build_launch(_spec("decode")).env[DELAY_ENV] == "1000"
+    assert DELAY_ENV not in build_launch(_spec("decode", device="cuda")).env
+    assert DELAY_ENV not in build_launch(_spec("colocated")).env
 
 
 def test_decode_recomputes_when_a_pull_fails_and_prefill_lease_is_configurable():

@@ -1,4 +1,4 @@
-"""P/D of a pure-Mamba model (no attention layer): our connector extension (connector/nixl_mamba.py).
+"""P/D of a pure-Mamba model (no attention layer): our connector (connector/nixl_connector.py).
 
 vLLM 0.32's NIXL handshake dies with StopIteration for such models; with the
 extension the state crosses NIXL and the answers equal a colocated server's.
@@ -42,7 +42,7 @@ def mamba_stack(tmp_path_factory):
 
 def test_the_workers_load_our_connector_extension(mamba_stack):
     prefill = mamba_stack.log_path("prefill-0").read_text()
-    assert '"kv_connector_module_path":"connector.nixl_mamba"' in prefill
+    assert '"kv_connector_module_path":"connector.nixl_connector"' in prefill
 
 
 def test_pure_mamba_pd_equals_colocated_and_moves_state(mamba_stack):
