@@ -88,7 +88,10 @@ def create_app(settings: RouterSettings, transport: httpx.AsyncBaseTransport | N
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
+        # A worker closes an idle connection after its keep-alive (uvicorn's 5 s in vLLM); reusing
+        # one at that moment fails the leg with ReadError (seen under load: a decode retry and a
+        # second prefill). Dropping idle connections first keeps reuse on the safe side.
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=512, keepalive_expiry=settings.upstream_keepalive_s)
         async with httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport) as client:
             state.client = client
             health = asyncio.create_task(_health_loop(state))

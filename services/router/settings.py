@@ -25,6 +25,9 @@ class RouterSettings(BaseSettings):
     decode: list[str] = Field(default_factory=list)
     connect_timeout_s: float = 10.0
     request_timeout_s: float = 600.0
+    upstream_keepalive_s: float = Field(
+        2.0, gt=0, description="idle connections to workers are closed after this; keep it below the workers' keep-alive (vLLM: 5 s)"
+    )
     log_level: str = "INFO"
     # Selection
     decode_policy: str = "least_outstanding"

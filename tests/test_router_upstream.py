@@ -1,0 +1,71 @@
+"""The router's connections to workers, over real sockets (a scripted worker served by uvicorn)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import uvicorn
+
+from services.router.app import create_app
+from services.router.settings import RouterSettings
+
+
+class _Decode:
+    """An ASGI decode worker that records the client port of every completion request."""
+
+    def __init__(self) -> None:
+        self.ports: list[int] = []
+
+    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001 - ASGI
+        if scope["type"] != "http":
+            return
+        while (await receive()).get("more_body"):
+            pass
+        if scope["method"] == "POST":
+            self.ports.append(scope["client"][1])
+        body = b'{"choices": [{"index": 0, "text": " ok"}], "usage": {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3}}'
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": body})
+
+
+@pytest.fixture
+def decode() -> Iterator[tuple[str, _Decode]]:
+    app = _Decode()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_keep_alive=30))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline, "the scripted worker did not start"
+        time.sleep(0.01)
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}", app
+    server.should_exit = True
+    thread.join(timeout=5)
+    sock.close()
+
+
+async def _two_requests_apart(url: str, idle_s: float, **settings) -> None:
+    app = create_app(RouterSettings(decode=[url], health_interval_s=3600, **settings))
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
+            for _ in range(2):
+                r = await client.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 1})
+                assert r.status_code == 200, r.text
+                await asyncio.sleep(idle_s)
+
+
+async def test_idle_worker_connections_are_dropped_before_the_workers_keep_alive_ends(decode):
+    url, worker = decode
+    await _two_requests_apart(url, idle_s=0.5, upstream_keepalive_s=0.2)
+    assert len(set(worker.ports)) == 2, "a connection idle longer than upstream_keepalive_s was reused"
+    worker.ports.clear()
+    await _two_requests_apart(url, idle_s=0.05, upstream_keepalive_s=0.2)
+    assert len(set(worker.ports)) == 1, "a recently used connection was not reused"
