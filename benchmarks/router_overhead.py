@@ -283,7 +283,7 @@ def _row(c: Case) -> str:
 
 def _versions() -> dict[str, str | None]:
     out: dict[str, str | None] = {"python": platform.python_version()}
-    for dist in ("hybrid-pd", "vllm-router", "fastapi", "starlette", "uvicorn", "httpx", "uvloop", "httptools", "orjson"):
+    for dist in ("hybrid-pd", "vllm-router", "fastapi", "starlette", "uvicorn", "httpx", "aiohttp", "uvloop", "httptools", "orjson"):
         try:
             out[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
@@ -436,8 +436,14 @@ def main(argv: list[str] | None = None) -> int:
         "--paths",
         type=lambda t: t.split(","),
         default=["direct", "hybrid-pd", "vllm-router"],
-        help="direct,hybrid-pd,vllm-router; 'hybrid-pd[orjson+rawrelay]': our router with experimental "
+        help="direct,hybrid-pd,vllm-router; 'hybrid-pd[plain+orjson]': our router with experimental "
         "changes (benchmarks/router_variants.py)",
+    )
+    parser.add_argument(
+        "--variants-from",
+        type=Path,
+        metavar="DIR",
+        help="start the hybrid-pd[VARIANT] paths from this checkout (another commit: before/after in one run)",
     )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON results (default {DEFAULT_OUT.relative_to(ROOT)})")
     parser.add_argument("--log-dir", type=Path, default=ROOT / ".hybrid-pd" / "bench-logs")
@@ -465,6 +471,8 @@ def main(argv: list[str] | None = None) -> int:
                 command = ours_argv(port, prefill, decode)
                 if path != "hybrid-pd":  # an experimental variant (benchmarks/router_variants.py)
                     command = [sys.executable, "-m", "benchmarks.router_variants", path[len("hybrid-pd[") : -1], *command[3:]]
+                    if args.variants_from:  # `python -m` imports from the working directory: that checkout's code
+                        command = ["sh", "-c", 'cd "$0" && exec "$@"', str(args.variants_from.resolve()), *command]
                 service = _start(path, command, url, args.log_dir)
                 started.append(service)
                 paths[path] = (url, service)

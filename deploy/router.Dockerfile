@@ -1,4 +1,4 @@
-# Router image: the public OpenAI-compatible endpoint. FastAPI + httpx only: no vLLM, no torch.
+# Router image: the public OpenAI-compatible endpoint. FastAPI, httpx and aiohttp only: no vLLM, no torch.
 # Build from the repository root:  docker build -f deploy/router.Dockerfile -t hybrid-pd-router .
 FROM python:3.11.14-slim-trixie
 

@@ -87,6 +87,15 @@ def build_model(out: Path) -> None:
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params", flush=True)
 
 
+def gpu_model() -> Path:
+    """``$HYBRID_PD_GPU_MODEL`` (default ``/tmp/hybrid-pd-gpu-model``), built there on first use."""
+    model_dir = Path(os.environ.get("HYBRID_PD_GPU_MODEL", "/tmp/hybrid-pd-gpu-model"))
+    if not (model_dir / "config.json").exists():
+        model_dir.mkdir(parents=True, exist_ok=True)
+        build_model(model_dir)
+    return model_dir
+
+
 def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "services.cli", *args]
 
@@ -135,10 +144,7 @@ def main() -> int:
     ap.add_argument("--skip-checks", action="store_true", help="only the benchmark (with --bench)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    model_dir = Path(os.environ.get("HYBRID_PD_GPU_MODEL", "/tmp/hybrid-pd-gpu-model"))
-    if not (model_dir / "config.json").exists():
-        model_dir.mkdir(parents=True, exist_ok=True)
-        build_model(model_dir)
+    model_dir = gpu_model()
     name = "hybrid-gpu"
     common = ["--model", str(model_dir), "--served-model-name", name, "--device", "cuda", "--max-model-len", "4096",
               "--max-num-seqs", "64", "--gpu-memory-utilization", "0.25", "--kv-cache-memory-bytes", str(8 << 30)]  # fmt: skip

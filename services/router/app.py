@@ -35,6 +35,7 @@ from services.router.metrics import RouterMetrics
 from services.router.policies import Policy, RequestInfo, make_policy
 from services.router.registry import Registry, Worker, probe_identity
 from services.router.settings import RouterSettings
+from services.router.upstream import AiohttpTransport
 
 __all__ = ["create_app", "RouterState"]
 
@@ -71,7 +72,7 @@ class Routed:
 def create_app(settings: RouterSettings, transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
     """Build the router app for ``settings``; its HTTP client and health loop live as long as the app.
 
-    ``transport`` replaces the network (tests of protocol edge cases only).
+    Legs go over :class:`AiohttpTransport`; ``transport`` replaces it (tests of protocol edge cases only).
     """
     registry = Registry(settings.eviction_failures, settings.heartbeat_ttl_s)
     for role, urls in (("prefill", settings.prefill), ("decode", settings.decode)):
@@ -91,8 +92,8 @@ def create_app(settings: RouterSettings, transport: httpx.AsyncBaseTransport | N
         # A worker closes an idle connection after its keep-alive (uvicorn's 5 s in vLLM); reusing
         # one at that moment fails the leg with ReadError (seen under load: a decode retry and a
         # second prefill). Dropping idle connections first keeps reuse on the safe side.
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=512, keepalive_expiry=settings.upstream_keepalive_s)
-        async with httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport) as client:
+        upstream = transport or AiohttpTransport(keepalive_s=settings.upstream_keepalive_s)
+        async with httpx.AsyncClient(timeout=timeout, transport=upstream) as client:
             state.client = client
             health = asyncio.create_task(_health_loop(state))
             try:
@@ -128,6 +129,7 @@ def create_app(settings: RouterSettings, transport: httpx.AsyncBaseTransport | N
             "status": "ok" if ready else "no decode worker available",
             "prefill": [w.url for w in registry.role("prefill")],
             "decode": [w.url for w in registry.role("decode")],
+            "available": {role: [w.url for w in registry.role(role) if w.available] for role in ("prefill", "decode")},
         }
         return JSONResponse(body, status_code=200 if ready else 503)
 
@@ -421,15 +423,95 @@ def _sum_usage(usages: list[dict | None]) -> dict | None:
     return {**present[0], **{k: sum(u.get(k) or 0 for u in present) for k in keys}}
 
 
+class _StreamBroke(Exception):
+    """A decode stream failed mid-way; the client gets an error event instead of the rest."""
+
+    def __init__(self, worker: str, error: BaseException) -> None:
+        super().__init__(f"{worker}: {type(error).__name__}")
+        self.worker, self.error = worker, type(error).__name__
+
+
 async def _relay(state: RouterState, routed: list[Routed], body: dict, arrived: float, route: str) -> AsyncIterator[bytes]:
-    """Stream the decode answer(s) to the client, rewriting usage (and choice indexes for several prompts).
+    """Stream the decode answer(s) to the client with merged usage.
 
     Cancelling this generator (client gone) closes every upstream stream, which
     makes vLLM abort the request.
     """
     metrics = state.metrics
+    chunks = _relay_one(routed[0]) if len(routed) == 1 else _relay_several(routed, body)
+    first, last = True, time.perf_counter()
+    outcome = "ok"
+    try:
+        try:
+            async for chunk in chunks:
+                now = time.perf_counter()
+                if first:
+                    metrics.ttft.observe(now - arrived)
+                    first = False
+                else:
+                    metrics.itl.observe(now - last)
+                last = now
+                yield chunk
+        except _StreamBroke as broke:
+            outcome = "stream_error"
+            log.warning("decode stream broke %s", kv(worker=broke.worker, error=broke.error))
+            yield error_event(502, f"decode worker failed mid-stream: {broke.error}")
+    except asyncio.CancelledError:
+        outcome = "client_disconnected"
+        log.info("client disconnected; aborting decode %s", kv(workers=[r.decode.url for r in routed]))
+        raise
+    finally:
+        await chunks.aclose()
+        for r in routed:
+            await _close(r)
+        metrics.requests.labels(route, outcome).inc()
+        metrics.e2e.observe(time.perf_counter() - arrived)
+        metrics.decode_leg.observe(time.perf_counter() - routed[0].sent_at)
+
+
+async def _relay_one(r: Routed) -> AsyncIterator[bytes]:
+    """One decode stream's bytes as they arrive, cut after the last complete event of each read.
+
+    Only an event that carries a usage object is parsed (to merge the prefill's usage into it);
+    vLLM sends one, the last before its own ``[DONE]``, which goes to the client as it came.
+    """
+    pending = b""
+    try:
+        async for data in r.response.aiter_bytes():
+            pending += data
+            end = pending.rfind(b"\n\n")
+            if end < 0:
+                continue  # no complete event yet
+            events, pending = pending[: end + 2], pending[end + 2 :]
+            # vLLM writes compact JSON: a token event has no usage or "usage":null.
+            if r.prefill_usage is not None and b'"usage":{' in events:
+                events = _merge_usage_events(events, r.prefill_usage)
+            yield events
+    except httpx.HTTPError as exc:
+        raise _StreamBroke(r.decode.url, exc) from exc
+    if pending:
+        yield pending
+
+
+def _merge_usage_events(events: bytes, prefill_usage: dict) -> bytes:
+    """``events`` (complete SSE events) with the prefill's usage merged into each usage object."""
+    out = []
+    for event in events.split(b"\n\n"):
+        if event.startswith(b"data: {") and b'"usage":{' in event:
+            parsed = json.loads(event[6:])
+            parsed["usage"] = merge_usage(prefill_usage, parsed["usage"])
+            event = b"data: " + json.dumps(parsed, separators=(",", ":")).encode()
+        out.append(event)
+    return b"\n\n".join(out)
+
+
+async def _relay_several(routed: list[Routed], body: dict) -> AsyncIterator[bytes]:
+    """Decode streams of one prompt each, merged event by event into one answer.
+
+    Choice indexes are renumbered in prompt order and the usages summed into one final
+    usage event, so every event is parsed here.
+    """
     n = int(body.get("n") or 1)
-    several = len(routed) > 1
     usages: list[dict | None] = [None] * len(routed)
     queue: asyncio.Queue[tuple[int, str | None | BaseException]] = asyncio.Queue()
 
@@ -443,8 +525,7 @@ async def _relay(state: RouterState, routed: list[Routed], body: dict, arrived: 
             await queue.put((i, None))
 
     pumps = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(routed)]
-    open_streams, first, last = len(routed), True, time.perf_counter()
-    outcome = "ok"
+    open_streams = len(routed)
     try:
         while open_streams:
             i, item = await queue.get()
@@ -452,50 +533,28 @@ async def _relay(state: RouterState, routed: list[Routed], body: dict, arrived: 
                 open_streams -= 1
                 continue
             if isinstance(item, BaseException):
-                outcome = "stream_error"
-                log.warning("decode stream broke %s", kv(worker=routed[i].decode.url, error=type(item).__name__))
-                yield error_event(502, f"decode worker failed mid-stream: {type(item).__name__}")
-                return
-            line = item
-            if line.startswith("data: {") and (several or ('"usage":' in line and '"usage":null' not in line)):
-                event = json.loads(line[6:])
-                if event.get("usage") is not None:
-                    event["usage"] = usages[i] = merge_usage(routed[i].prefill_usage, event["usage"])
-                    if several and not event.get("choices"):
-                        continue  # the merged usage chunk goes out once, at the end
-                if several:
-                    event["choices"] = [{**c, "index": i * n + c.get("index", 0)} for c in event.get("choices", [])]
-                    event.pop("usage", None)
-                line = "data: " + json.dumps(event, separators=(",", ":"))
-            elif line.startswith("data: [DONE]"):
+                raise _StreamBroke(routed[i].decode.url, item) from item
+            if not item or item.startswith("data: [DONE]"):
+                continue  # events are re-delimited below; one [DONE] ends the merged answer
+            if not item.startswith("data: {"):
+                yield (item + "\n\n").encode()
                 continue
-            elif not line:
-                continue
-            now = time.perf_counter()
-            if first:
-                metrics.ttft.observe(now - arrived)
-                first = False
-            else:
-                metrics.itl.observe(now - last)
-            last = now
-            yield (line + "\n\n").encode()
-        if several and any(usages) and (body.get("stream_options") or {}).get("include_usage"):
+            event = json.loads(item[6:])
+            if event.get("usage") is not None:
+                usages[i] = merge_usage(routed[i].prefill_usage, event["usage"])
+                if not event.get("choices"):
+                    continue  # the merged usage chunk goes out once, at the end
+            event["choices"] = [{**c, "index": i * n + c.get("index", 0)} for c in event.get("choices", [])]
+            event.pop("usage", None)
+            yield ("data: " + json.dumps(event, separators=(",", ":")) + "\n\n").encode()
+        if any(usages) and (body.get("stream_options") or {}).get("include_usage"):
             tail = {"id": routed[0].response.headers.get("x-request-id", ""), "object": "text_completion", "choices": []}
             tail["usage"] = _sum_usage(usages)
             yield ("data: " + json.dumps(tail, separators=(",", ":")) + "\n\n").encode()
         yield b"data: [DONE]\n\n"
-    except asyncio.CancelledError:
-        outcome = "client_disconnected"
-        log.info("client disconnected; aborting decode %s", kv(workers=[r.decode.url for r in routed]))
-        raise
     finally:
         for task in pumps:
             task.cancel()
-        for r in routed:
-            await _close(r)
-        metrics.requests.labels(route, outcome).inc()
-        metrics.e2e.observe(time.perf_counter() - arrived)
-        metrics.decode_leg.observe(time.perf_counter() - routed[0].sent_at)
 
 
 async def _with_finally(stream: AsyncIterator[bytes], finish: Callable[[], None]) -> AsyncIterator[bytes]:

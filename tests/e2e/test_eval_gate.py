@@ -22,6 +22,7 @@ from services.cli import main as hybrid_pd
 from services.common.processes import free_port
 from services.router.app import create_app
 from services.router.settings import RouterSettings
+from services.router.upstream import AiohttpTransport
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 
@@ -55,7 +56,7 @@ class _OtherRequestsState(httpx.AsyncBaseTransport):
     """
 
     def __init__(self) -> None:
-        self._inner = httpx.AsyncHTTPTransport()
+        self._inner = AiohttpTransport(keepalive_s=RouterSettings().upstream_keepalive_s)  # the router's own
         self._last_prefill: httpx.Request | None = None
         self._other: dict | None = None
 
@@ -78,6 +79,9 @@ class _OtherRequestsState(httpx.AsyncBaseTransport):
             headers = {k: v for k, v in request.headers.items() if k.lower() != "content-length"}
             request = httpx.Request("POST", request.url, headers=headers, json=body)
         return await self._inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
 
 
 @pytest.fixture

@@ -1,0 +1,116 @@
+"""The router's HTTP to its workers: httpx's client API on aiohttp's connection pool.
+
+httpx's own transport (httpcore, anyio, h11) parses HTTP in Python and scans its
+whole pool on every request, which cost the router most of its CPU per request
+and grew with concurrency (``docs/performance.md``, "Router overhead"). aiohttp
+parses in C and takes a pooled connection in O(1). Keeping ``httpx.AsyncClient``
+in front keeps the router's code, and lets tests swap the network for
+``httpx.MockTransport``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import AsyncIterator
+
+import aiohttp
+import httpx
+import yarl
+
+__all__ = ["AiohttpTransport"]
+
+
+class AiohttpTransport(httpx.AsyncBaseTransport):
+    """An ``httpx`` transport that sends every request through one ``aiohttp.ClientSession``.
+
+    The pool is unbounded. A connection idle for longer than ``keepalive_s`` is
+    closed instead of reused: keep it below the workers' own keep-alive, or a
+    request can go out on a connection the worker is closing at that moment.
+    Each request's httpx ``connect`` and ``read`` timeouts apply; redirects,
+    cookies and content decoding stay httpx's business (aiohttp follows, keeps
+    and decodes nothing), and proxies from the environment are not used.
+    aiohttp's errors come out as httpx's: ``ConnectError``, ``ConnectTimeout``,
+    ``ReadTimeout``, ``ReadError``.
+    """
+
+    def __init__(self, keepalive_s: float) -> None:
+        self._keepalive_s = keepalive_s
+        self._session: aiohttp.ClientSession | None = None
+
+    def _pool(self) -> aiohttp.ClientSession:
+        # Made on first use, not in __init__: aiohttp binds a session to the running loop,
+        # and an app (or a test) may build its transport before any loop runs.
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=self._keepalive_s),
+                cookie_jar=aiohttp.DummyCookieJar(),
+                auto_decompress=False,  # httpx decodes the body, as the headers it sent asked for
+            )
+        return self._session
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        timeouts = request.extensions.get("timeout", {})
+        content = await request.aread()
+        try:
+            response = await self._pool().request(
+                request.method,
+                yarl.URL(str(request.url), encoded=True),
+                headers=request.headers.multi_items(),
+                data=content or None,
+                allow_redirects=False,
+                timeout=_timeout(timeouts.get("connect"), timeouts.get("read")),
+            )
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise _httpx_error(exc, request) from exc
+        return httpx.Response(
+            status_code=response.status,
+            headers=response.raw_headers,
+            stream=_Body(response, request),
+            extensions={"http_version": b"HTTP/1.1", "reason_phrase": (response.reason or "").encode("latin-1")},
+        )
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+class _Body(httpx.AsyncByteStream):
+    """A response body as aiohttp receives it, one network read per chunk."""
+
+    def __init__(self, response: aiohttp.ClientResponse, request: httpx.Request) -> None:
+        self._response = response
+        self._request = request
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self._response.content.iter_any():
+                yield chunk
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise _httpx_error(exc, self._request) from exc
+
+    async def aclose(self) -> None:
+        # aiohttp hands a connection back to the pool as soon as the answer has arrived whole,
+        # so this only closes the connection of an answer cut short. That is how the worker
+        # learns its client left: vLLM then aborts the request instead of generating on.
+        self._response.close()
+
+
+@functools.lru_cache(maxsize=16)
+def _timeout(connect: float | None, read: float | None) -> aiohttp.ClientTimeout:
+    # aiohttp's ``connect`` covers DNS and waiting for the pool, ``sock_connect`` the TCP
+    # handshake; httpx's connect timeout means both. ``sock_read`` bounds each read, as httpx's read.
+    return aiohttp.ClientTimeout(total=None, connect=connect, sock_connect=connect, sock_read=read)
+
+
+def _httpx_error(exc: BaseException, request: httpx.Request) -> httpx.TransportError:
+    """The httpx error for an aiohttp one, so callers catch ``httpx.HTTPError`` as before."""
+    message = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        return httpx.ConnectTimeout(message, request=request)
+    if isinstance(exc, (aiohttp.ServerTimeoutError, asyncio.TimeoutError)):
+        return httpx.ReadTimeout(message, request=request)
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return httpx.ConnectError(message, request=request)
+    return httpx.ReadError(message, request=request)
