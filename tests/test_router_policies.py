@@ -56,6 +56,14 @@ def test_request_info_key_and_size():
     assert chat.affinity_key == "hello world!" and chat.est_tokens == 3
 
 
+def test_request_info_key_is_cut_from_the_prompt_when_read_and_a_user_key_is_whole():
+    ids = RequestInfo.from_body({"prompt": list(range(300))}, prefix_chars=10)
+    assert ids.affinity_key == "0 1 2 3 4 " and ids.est_tokens == 300
+    assert RequestInfo.from_body({"prompt": "abcdefghijkl"}, prefix_chars=5).affinity_key == "abcde"
+    assert RequestInfo.from_body({"prompt": [1, 2], "user": "u" * 20}, prefix_chars=5).affinity_key == "u" * 20
+    assert RequestInfo.from_body({"prompt": [1, "a"]}).est_tokens == len(str([1, "a"])) // 4, "a mixed list is text"
+
+
 def test_unknown_policy_names_the_choices():
     with pytest.raises(ValueError, match="least_outstanding"):
         make_policy("fastest")
@@ -78,6 +86,39 @@ def test_compatible_prefills_follow_tp_divisibility():
     registry.add(_w("http://p3", role="prefill"))  # unknown TP is not guessed
     assert {w.url for w in registry.compatible_with(decode)} == {"http://p1", "http://p4", "http://p3"}
     assert registry.get(decode.id) is decode
+
+
+def test_role_lists_follow_every_registration_replacement_removal_and_expiry():
+    registry = Registry(heartbeat_ttl_s=10)
+    assert registry.role("decode") == ()
+    first = registry.add(_w("http://d1"))
+    assert [w is first for w in registry.role("decode")] == [True]
+    prefill = registry.add(_w("http://p", role="prefill"))
+    assert registry.role("prefill")[0] is prefill and len(registry.role("decode")) == 1
+    again = registry.add(_w("http://d1"))  # registers again: replaces its entry
+    assert [w is again for w in registry.role("decode")] == [True]
+    second = registry.add(_w("http://d2"))
+    assert [w.url for w in registry.role("decode")] == ["http://d1", "http://d2"]
+    registry.remove(again.id)
+    assert [w is second for w in registry.role("decode")] == [True]
+    registry.expire(now=second.last_seen + 11)
+    assert registry.role("decode") == () and registry.role("prefill") == ()
+
+
+def test_availability_and_pairing_are_read_live_whatever_changed_them():
+    registry = Registry(eviction_failures=1)
+    decode = registry.add(_w("http://d"))
+    prefill = registry.add(_w("http://p", role="prefill"))
+    assert registry.compatible_with(decode) == [prefill]
+    registry.record_health(prefill, ok=False)  # evicted
+    assert registry.compatible_with(decode) == []
+    registry.record_health(prefill, ok=True)  # re-admitted
+    assert registry.compatible_with(decode) == [prefill]
+    prefill.draining = True  # the admin API drains a worker in place
+    assert registry.compatible_with(decode) == []
+    prefill.draining = False
+    prefill.identity = WorkerIdentity(role="prefill", model="another")  # what the health loop learned
+    assert registry.compatible_with(decode) == []
 
 
 def test_eviction_after_consecutive_failures_and_readmission():

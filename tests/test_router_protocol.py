@@ -276,6 +276,38 @@ async def test_registration_refuses_an_incompatible_worker_naming_the_field(work
         assert (await c.post("/admin/workers", json={"url": "ftp://x", "role": "prefill"}, headers=auth)).status_code == 400
 
 
+async def test_requests_follow_workers_drained_registered_and_removed_through_the_admin_api(workers):
+    auth = {"Authorization": "Bearer secret"}
+    decode_hosts: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.method == "POST" and request.url.host != "prefill.test":
+            decode_hosts.append(request.url.host)
+        return workers(request)
+
+    settings = RouterSettings(prefill=[PREFILL], decode=[DECODE, "http://decode2.test:3"], decode_policy="round_robin", admin_token="secret")
+    app = create_app(settings, transport=httpx.MockTransport(handler))
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as c:
+
+            async def hosts_of_four_requests() -> set[str]:
+                decode_hosts.clear()
+                for _ in range(4):
+                    assert (await c.post("/v1/completions", json={"prompt": "x"})).status_code == 200
+                return set(decode_hosts)
+
+            assert await hosts_of_four_requests() == {"decode.test", "decode2.test"}
+            listed = (await c.get("/admin/workers", headers=auth)).json()["workers"]
+            second = next(w["id"] for w in listed if w["url"] == "http://decode2.test:3")
+            assert (await c.post(f"/admin/workers/{second}/drain", headers=auth)).status_code == 200
+            assert await hosts_of_four_requests() == {"decode.test"}
+            joined = await c.post("/admin/workers", json={"url": "http://decode3.test:4", "role": "decode", "identity": {"model": "m"}}, headers=auth)
+            assert joined.status_code == 201
+            assert await hosts_of_four_requests() == {"decode.test", "decode3.test"}
+            assert (await c.delete(f"/admin/workers/{joined.json()['id']}", headers=auth)).status_code == 200
+            assert await hosts_of_four_requests() == {"decode.test"}
+
+
 async def test_unknown_route_and_method_are_openai_errors(client):
     r = await client.post("/v1/embeddings", json={})
     assert r.status_code == 404 and "error" in r.json()
@@ -302,3 +334,11 @@ async def test_health_is_503_until_a_decode_worker_is_available_and_requests_rec
 async def test_a_mixed_prompt_list_is_not_split(client, workers):
     await client.post("/v1/completions", json={"model": "m", "prompt": ["a", [1, 2]]})
     assert [body["prompt"] for w, body, _ in workers.calls if w == "prefill"] == [["a", [1, 2]]]
+
+
+@pytest.mark.parametrize("body", [b'{"model": "m", "prompt": Infinity}', b'{"model": "m", "prompt": "hi", "temperature": NaN}',
+                                  b'{"model": "m", "prompt": "hi", "max_tokens": 1e999}'])  # fmt: skip
+async def test_nan_and_infinity_are_refused_as_invalid_json(client, workers, body):
+    r = await client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    assert workers.calls == []

@@ -1,4 +1,4 @@
-"""The router's aiohttp-backed httpx transport against a raw HTTP/1.1 server on a real socket.
+"""The router's HTTP to workers (``Upstream`` on ``AiohttpTransport``) against a raw HTTP/1.1 server on a real socket.
 
 The server is scripted per test at the byte level, so each test controls exactly when
 bytes arrive, when the connection stalls and when it drops.
@@ -15,7 +15,7 @@ from contextlib import asynccontextmanager
 import httpx
 import pytest
 
-from services.router.upstream import AiohttpTransport
+from services.router.upstream import AiohttpTransport, Upstream
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -52,11 +52,11 @@ def _chunk(data: bytes) -> bytes:
 _STREAM_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 
 
-def _client(timeout: httpx.Timeout | float = 5.0, keepalive_s: float = 2.0) -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=AiohttpTransport(keepalive_s=keepalive_s), timeout=timeout)
+def _client(timeout: httpx.Timeout | float = 5.0, keepalive_s: float = 2.0) -> Upstream:
+    return Upstream(AiohttpTransport(keepalive_s=keepalive_s), httpx.Timeout(timeout))
 
 
-async def test_request_and_answer_pass_through_unchanged_and_redirects_are_not_followed():
+async def test_request_and_answer_pass_through_unchanged_and_no_redirect_is_followed_nor_cookie_kept():
     seen: list[tuple[str, dict[str, str], bytes]] = []
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -67,19 +67,21 @@ async def test_request_and_answer_pass_through_unchanged_and_redirects_are_not_f
                 writer.write(b"HTTP/1.1 307 Temporary Redirect\r\nlocation: /elsewhere\r\ncontent-length: 0\r\n\r\n")
             else:
                 answer = b'{"error": {"message": "no"}}'
-                writer.write(b"HTTP/1.1 422 Unprocessable Entity\r\nx-worker: w1\r\ncontent-type: application/json\r\n")
+                writer.write(b"HTTP/1.1 422 Unprocessable Entity\r\nx-worker: w1\r\nset-cookie: session=1\r\ncontent-type: application/json\r\n")
                 writer.write(b"content-length: %d\r\n\r\n%s" % (len(answer), answer))
             await writer.drain()
 
     async with _server(handler) as url, _client() as client:
-        r = await client.post(url + "/v1/completions?a=1", json={"prompt": [1, 2]}, headers={"X-Request-Id": "req-7"})
+        r = await client.request("POST", url + "/v1/completions?a=1", json={"prompt": [1, 2]}, headers={"X-Request-Id": "req-7"})
         assert (r.status_code, r.reason_phrase, r.headers["x-worker"]) == (422, "Unprocessable Entity", "w1")
         assert r.json() == {"error": {"message": "no"}}
         moved = await client.get(url + "/moved")
         assert moved.status_code == 307 and moved.headers["location"] == "/elsewhere"
-    (line, headers, body), (moved_line, _, _) = seen
+    (line, headers, body), (moved_line, moved_headers, _) = seen
     assert line == "POST /v1/completions?a=1 HTTP/1.1" and moved_line == "GET /moved HTTP/1.1"
     assert headers["x-request-id"] == "req-7" and headers["content-type"] == "application/json"
+    assert headers["accept-encoding"] == moved_headers["accept-encoding"] == "identity"
+    assert "cookie" not in moved_headers, "a worker's cookie was sent back"
     assert json.loads(body) == {"prompt": [1, 2]} and int(headers["content-length"]) == len(body)
     assert len(seen) == 2, "the redirect was followed"
 
@@ -96,7 +98,7 @@ async def test_a_streamed_answer_arrives_chunk_by_chunk():
         await writer.drain()
 
     async with _server(handler) as url, _client() as client:
-        response = await client.send(client.build_request("POST", url, json={}), stream=True)
+        response = await client.request("POST", url, json={}, stream=True)
         chunks = response.aiter_bytes()
         assert await asyncio.wait_for(anext(chunks), 5) == b"data: 1\n\n", "the first event waited for the rest"
         rest_may_go.set()
@@ -115,7 +117,7 @@ async def test_closing_an_answer_before_its_end_drops_the_connection():
         disconnected.set()
 
     async with _server(handler) as url, _client() as client:
-        response = await client.send(client.build_request("POST", url, json={}), stream=True)
+        response = await client.request("POST", url, json={}, stream=True)
         assert await anext(response.aiter_bytes()) == b"data: 1\n\n"
         await response.aclose()
         await asyncio.wait_for(disconnected.wait(), 5)
@@ -184,7 +186,17 @@ async def test_a_worker_that_stops_sending_is_a_read_timeout(stalls: str):
 
     async with _server(handler) as url, _client(httpx.Timeout(5.0, read=0.2)) as client:
         with pytest.raises(httpx.ReadTimeout):
-            await client.post(url, json={})
+            await client.request("POST", url, json={})
+
+
+async def test_a_timeout_given_with_the_request_replaces_the_default():
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        await reader.read()  # never answers
+
+    async with _server(handler) as url, _client(httpx.Timeout(30.0)) as client:
+        with pytest.raises(httpx.ReadTimeout):
+            await asyncio.wait_for(client.get(url + "/health", timeout=0.2), 10)
 
 
 @pytest.mark.parametrize(
@@ -200,4 +212,4 @@ async def test_a_connection_dropped_before_the_answer_ends_is_a_read_error(sent:
 
     async with _server(handler) as url, _client() as client:
         with pytest.raises(httpx.ReadError):
-            await client.post(url, json={})
+            await client.request("POST", url, json={})

@@ -71,7 +71,7 @@ def admin_routes(state: RouterState) -> APIRouter:
             identity = WorkerIdentity.from_json({**reg.identity, "role": reg.role})
         else:
             try:
-                identity = await probe_identity(state.client, reg.url, reg.role)
+                identity = await probe_identity(state.upstream, reg.url, reg.role)
             except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
                 raise OpenAIError(400, f"cannot read the worker's identity at {reg.url}: {type(exc).__name__}") from exc
         try:

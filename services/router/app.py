@@ -14,12 +14,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
@@ -30,19 +31,19 @@ from connector.compat import WorkerIdentity
 from services.common.logs import kv, request_id_var
 from services.common.openai_errors import OpenAIError, error_body, error_event
 from services.router.admin import admin_routes
+from services.router.disconnect import cancel_on_disconnect
 from services.router.legs import decode_body, merge_usage, prefill_body
 from services.router.metrics import RouterMetrics
 from services.router.policies import Policy, RequestInfo, make_policy
 from services.router.registry import Registry, Worker, probe_identity
 from services.router.settings import RouterSettings
-from services.router.upstream import AiohttpTransport
+from services.router.upstream import AiohttpTransport, Upstream
 
 __all__ = ["create_app", "RouterState"]
 
 log = logging.getLogger("hybrid_pd.router")
 
 _JSON = "application/json"
-T = TypeVar("T")
 
 
 @dataclass
@@ -54,7 +55,7 @@ class RouterState:
     metrics: RouterMetrics
     decode_policy: Policy
     prefill_policy: Policy
-    client: httpx.AsyncClient | None = None
+    upstream: Upstream | None = None
     inflight: int = 0
 
 
@@ -92,9 +93,8 @@ def create_app(settings: RouterSettings, transport: httpx.AsyncBaseTransport | N
         # A worker closes an idle connection after its keep-alive (uvicorn's 5 s in vLLM); reusing
         # one at that moment fails the leg with ReadError (seen under load: a decode retry and a
         # second prefill). Dropping idle connections first keeps reuse on the safe side.
-        upstream = transport or AiohttpTransport(keepalive_s=settings.upstream_keepalive_s)
-        async with httpx.AsyncClient(timeout=timeout, transport=upstream) as client:
-            state.client = client
+        async with Upstream(transport or AiohttpTransport(keepalive_s=settings.upstream_keepalive_s), timeout) as upstream:
+            state.upstream = upstream
             health = asyncio.create_task(_health_loop(state))
             try:
                 yield
@@ -145,7 +145,7 @@ def create_app(settings: RouterSettings, transport: httpx.AsyncBaseTransport | N
         if not decodes:
             raise OpenAIError(503, "no decode worker is available")
         try:
-            upstream = await state.client.get(decodes[0].url + "/v1/models")
+            upstream = await state.upstream.get(decodes[0].url + "/v1/models")
         except httpx.HTTPError as exc:
             raise OpenAIError(502, f"decode worker unreachable: {type(exc).__name__}") from exc
         return Response(upstream.content, status_code=upstream.status_code, media_type=_JSON)
@@ -164,11 +164,11 @@ def create_app(settings: RouterSettings, transport: httpx.AsyncBaseTransport | N
 async def _health_loop(state: RouterState) -> None:
     """Check every worker's health, learn identities of static workers, expire silent dynamic ones."""
     while True:
-        await state.registry.check_all(state.client)
+        await state.registry.check_all(state.upstream)
         for worker in state.registry.all():
             if worker.identity.model is None and worker.healthy:
                 with suppress(httpx.HTTPError, ValueError, KeyError, IndexError):
-                    worker.identity = await probe_identity(state.client, worker.url, worker.role)
+                    worker.identity = await probe_identity(state.upstream, worker.url, worker.role)
         await asyncio.sleep(state.settings.health_interval_s)
 
 
@@ -190,12 +190,24 @@ async def _read_body(request: Request, limit: int) -> dict[str, Any]:
         if len(raw) > limit:
             raise OpenAIError(413, f"request body is larger than {limit} bytes")
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        body = json.loads(raw, parse_constant=_not_a_json_number, parse_float=_finite_float)
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as exc:
         raise OpenAIError(400, f"request body is not valid JSON: {exc}") from exc
     if not isinstance(body, dict):
         raise OpenAIError(400, "request body must be a JSON object")
     return body
+
+
+def _not_a_json_number(name: str) -> float:
+    # Python's json reads NaN and Infinity; JSON has neither, and the legs could not send them on.
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"{text} is out of range for a JSON number")
+    return value
 
 
 def _is_prompt_list(body: dict[str, Any]) -> bool:
@@ -225,17 +237,20 @@ async def _serve(state: RouterState, request: Request, path: str) -> Response:
     try:
         headers = {"X-Request-Id": request_id}
         stream = bool(body.get("stream"))
-        if path == "/v1/completions" and _is_prompt_list(body):
-            bodies = [{**body, "prompt": p} for p in body["prompt"]]
-            routed = await _cancel_on_disconnect(request, _route_all(state, path, bodies, request_id))
-        else:
-            routed = [await _cancel_on_disconnect(request, _route(state, path, body, request_id))]
-        failed = next((r for r in routed if r.response.status_code != 200), None)
-        if failed is not None or not stream:
-            response = await _cancel_on_disconnect(request, _answer(routed, failed, body, headers))
-            state.metrics.requests.labels(route, "ok" if failed is None else f"http_{failed.response.status_code}").inc()
-            state.metrics.e2e.observe(time.perf_counter() - arrived)
-            return response
+        # Until the answer starts, nothing else reads from the client: a client that leaves must
+        # cancel the legs here (a stream being relayed is watched by StreamingResponse).
+        async with cancel_on_disconnect(request.receive):
+            if path == "/v1/completions" and _is_prompt_list(body):
+                bodies = [{**body, "prompt": p} for p in body["prompt"]]
+                routed = await _route_all(state, path, bodies, request_id)
+            else:
+                routed = [await _route(state, path, body, request_id)]
+            failed = next((r for r in routed if r.response.status_code != 200), None)
+            if failed is not None or not stream:
+                response = await _answer(routed, failed, body, headers)
+                state.metrics.requests.labels(route, "ok" if failed is None else f"http_{failed.response.status_code}").inc()
+                state.metrics.e2e.observe(time.perf_counter() - arrived)
+                return response
         relay = _relay(state, routed, body, arrived, route)
         done_after_stream = _with_finally(relay, done)
         done = _once(lambda: None)  # the stream now owns the release
@@ -261,14 +276,14 @@ async def _route_all(state: RouterState, path: str, bodies: list[dict], request_
 async def _route(state: RouterState, path: str, body: dict[str, Any], request_id: str) -> Routed:
     """Choose the pair, run the prefill leg and open the decode leg (retried once before its first byte)."""
     started = time.perf_counter()
-    settings, metrics, client = state.settings, state.metrics, state.client
+    settings, metrics, upstream = state.settings, state.metrics, state.upstream
     info = RequestInfo.from_body(body, settings.prefix_affinity_chars)
     headers = {"X-Request-Id": request_id}
     tried: set[str] = set()
     prefill_s = 0.0
     for attempt in range(2):
         if not any(w.available for w in state.registry.role("decode")):
-            await state.registry.check_all(client)  # evicted workers may be back: look now, not at the next round
+            await state.registry.check_all(upstream)  # evicted workers may be back: look now, not at the next round
         decode = _choose(state, state.registry.role("decode"), state.decode_policy, info, tried, "decode")
         kv_params, prefill_usage = None, None
         if info.est_tokens < settings.local_prefill_below_tokens:
@@ -289,20 +304,23 @@ async def _route(state: RouterState, path: str, body: dict[str, Any], request_id
                 else:
                     kv_params, prefill_usage = leg.get("kv_transfer_params"), leg.get("usage")
         release = _lease(state, decode, info.est_tokens)
-        outgoing = client.build_request("POST", decode.url + path, json=decode_body(body, kv_params), headers=headers)
         sent_at = time.perf_counter()
         metrics.overhead.observe(max(0.0, sent_at - started - prefill_s))
         try:
-            response = await client.send(outgoing, stream=True)
+            response = await upstream.request("POST", decode.url + path, json=decode_body(body, kv_params), headers=headers, stream=True)
         except httpx.HTTPError as exc:
             release()
             log.warning("decode leg failed %s", kv(worker=decode.url, error=type(exc).__name__, attempt=attempt))
+        except BaseException:
+            release()  # cancelled (the client left): the leg is not in flight any more
+            raise
         else:
             if response.status_code < 500:
-                log.info("routed %s", kv(path=path, decode=decode.url, status=response.status_code, transfer=kv_params is not None))
+                if log.isEnabledFor(logging.INFO):  # one line per request: skip formatting it when INFO is off
+                    log.info("routed %s", kv(path=path, decode=decode.url, status=response.status_code, transfer=kv_params is not None))
                 return Routed(response, prefill_usage, decode, release, sent_at)
-            await response.aclose()
             release()
+            await response.aclose()
             log.warning("decode leg failed %s", kv(worker=decode.url, status=response.status_code, attempt=attempt))
         state.registry.record_health(decode, ok=False)
         tried.add(decode.id)
@@ -313,7 +331,7 @@ async def _route(state: RouterState, path: str, body: dict[str, Any], request_id
     raise OpenAIError(502, "decode worker failed before answering")
 
 
-def _choose(state: RouterState, workers: list[Worker], policy: Policy, info: RequestInfo, tried: set[str], role: str) -> Worker:
+def _choose(state: RouterState, workers: Sequence[Worker], policy: Policy, info: RequestInfo, tried: set[str], role: str) -> Worker:
     """Filter (available, not tried, under its limit), then let the policy pick."""
     available = [w for w in workers if w.available and w.id not in tried]
     if not available:
@@ -336,7 +354,7 @@ async def _prefill_leg(
     release = _lease(state, prefill, info.est_tokens)
     started = time.perf_counter()
     try:
-        response = await state.client.post(prefill.url + path, json=prefill_body(body), headers=headers)
+        response = await state.upstream.request("POST", prefill.url + path, json=prefill_body(body), headers=headers)
     except httpx.HTTPError as exc:
         log.warning("prefill leg failed, local prefill %s", kv(worker=prefill.url, error=type(exc).__name__))
         state.registry.record_health(prefill, ok=False)
@@ -564,17 +582,3 @@ async def _with_finally(stream: AsyncIterator[bytes], finish: Callable[[], None]
     finally:
         finish()
 
-
-async def _cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Await ``work``, cancelling it as soon as the client disconnects (vLLM then aborts)."""
-    task = asyncio.ensure_future(work)
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=0.5)
-        if done:
-            return task.result()
-        if await request.is_disconnected():
-            task.cancel()
-            with suppress(asyncio.CancelledError, Exception):
-                await task
-            log.info("client disconnected before the answer; request cancelled")
-            raise OpenAIError(499, "client disconnected")

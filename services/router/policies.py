@@ -11,7 +11,7 @@ import bisect
 import hashlib
 import itertools
 import random
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from services.router.registry import Worker
@@ -19,12 +19,23 @@ from services.router.registry import Worker
 __all__ = ["POLICIES", "Policy", "RequestInfo", "make_policy"]
 
 
-@dataclass(frozen=True)
 class RequestInfo:
-    """What policies may look at: an affinity key and the prompt's estimated size."""
+    """What policies may look at: the prompt's estimated size and an affinity key.
 
-    affinity_key: str
-    est_tokens: int
+    The key is given (the OpenAI ``user`` field) or cut from the prompt's start the first
+    time a policy reads it: only ``prefix_affinity`` does, and for a token-id prompt the cut
+    joins hundreds of ids, a cost every other policy would pay for nothing.
+    """
+
+    __slots__ = ("est_tokens", "_key", "_prompt", "_prefix_chars")
+
+    def __init__(
+        self, est_tokens: int, affinity_key: str | None = None, prompt: str | Sequence[int] = "", prefix_chars: int = 256
+    ) -> None:
+        self.est_tokens = est_tokens
+        self._key = affinity_key
+        self._prompt = prompt
+        self._prefix_chars = prefix_chars
 
     @classmethod
     def from_body(cls, body: dict[str, Any], prefix_chars: int = 256) -> RequestInfo:
@@ -32,18 +43,25 @@ class RequestInfo:
 
         Size is exact for token-id prompts and estimated at 4 bytes a token for text.
         """
+        user = str(body["user"]) if body.get("user") else None
         if "messages" in body:
             messages = body["messages"] if isinstance(body["messages"], list) else []  # vLLM rejects the rest
             text = "".join(str(m.get("content", "")) for m in messages if isinstance(m, dict))
-            tokens = None
-        else:
-            prompt = body.get("prompt", "")
-            if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-                text, tokens = " ".join(map(str, prompt[:prefix_chars])), len(prompt)
-            else:
-                text, tokens = str(prompt), None
-        key = str(body["user"]) if body.get("user") else text[:prefix_chars]
-        return cls(affinity_key=key, est_tokens=tokens if tokens is not None else len(text.encode()) // 4)
+            return cls(len(text.encode()) // 4, user, text, prefix_chars)
+        prompt = body.get("prompt", "")
+        # map() checks the ids in C: a generator expression costs twice as much over a long prompt.
+        if isinstance(prompt, list) and all(map(isinstance, prompt, itertools.repeat(int))):
+            return cls(len(prompt), user, prompt, prefix_chars)
+        text = str(prompt)
+        return cls(len(text.encode()) // 4, user, text, prefix_chars)
+
+    @property
+    def affinity_key(self) -> str:
+        """The ``user`` field, else the prompt's first ``prefix_chars`` characters (token ids joined by spaces)."""
+        if self._key is None:
+            prompt, n = self._prompt, self._prefix_chars
+            self._key = prompt[:n] if isinstance(prompt, str) else " ".join(map(str, prompt[:n]))[:n]
+        return self._key
 
 
 class Policy(Protocol):

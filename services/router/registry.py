@@ -19,6 +19,7 @@ import httpx
 from connector.compat import IncompatibleWorkers, WorkerIdentity, check_pair, check_worker
 from services.common.logs import kv
 from services.common.prom import metric_label
+from services.router.upstream import Upstream
 
 __all__ = ["Registry", "Worker", "probe_identity"]
 
@@ -76,6 +77,9 @@ class Registry:
 
     def __init__(self, eviction_failures: int = 3, heartbeat_ttl_s: float = 30.0) -> None:
         self._workers: dict[str, Worker] = {}
+        # Each request looks up both roles: built once per change of membership, not per request.
+        # Only add() and remove() change who is in a role; availability and load are read live.
+        self._roles: dict[str, tuple[Worker, ...]] = {}
         self.eviction_failures = eviction_failures
         self.heartbeat_ttl_s = heartbeat_ttl_s
         self.evictions = 0
@@ -89,8 +93,12 @@ class Registry:
     def by_url(self, url: str) -> Worker | None:
         return next((w for w in self._workers.values() if w.url == url), None)
 
-    def role(self, role: RoleName) -> list[Worker]:
-        return [w for w in self._workers.values() if w.role == role]
+    def role(self, role: RoleName) -> tuple[Worker, ...]:
+        """Every worker of ``role``, available or not, in registration order."""
+        workers = self._roles.get(role)
+        if workers is None:
+            workers = self._roles[role] = tuple(w for w in self._workers.values() if w.role == role)
+        return workers
 
     def add(self, worker: Worker) -> Worker:
         """Register ``worker``; raise :class:`IncompatibleWorkers` if it can pair with none of the other role.
@@ -107,12 +115,14 @@ class Registry:
         if old is not None:
             worker.id = old.id
         self._workers[worker.id] = worker
+        self._roles.clear()
         log.info("worker registered %s", kv(id=worker.id, role=worker.role, url=worker.url))
         return worker
 
     def remove(self, worker_id: str) -> Worker | None:
         worker = self._workers.pop(worker_id, None)
         if worker is not None:
+            self._roles.clear()
             log.info("worker removed %s", kv(id=worker.id, url=worker.url))
         return worker
 
@@ -142,12 +152,12 @@ class Registry:
             self.remove(worker.id)
         return gone
 
-    async def check_all(self, client: httpx.AsyncClient) -> None:
+    async def check_all(self, upstream: Upstream) -> None:
         """One round of health checks over every worker."""
 
         async def check(worker: Worker) -> None:
             try:
-                ok = (await client.get(worker.url + "/health", timeout=5)).status_code == 200
+                ok = (await upstream.get(worker.url + "/health", timeout=5)).status_code == 200
             except httpx.HTTPError:
                 ok = False
             self.record_health(worker, ok)
@@ -156,21 +166,21 @@ class Registry:
         self.expire()
 
 
-async def probe_identity(client: httpx.AsyncClient, url: str, role: RoleName) -> WorkerIdentity:
+async def probe_identity(upstream: Upstream, url: str, role: RoleName) -> WorkerIdentity:
     """Identity of a plain vLLM server from what it exposes: model, version, block size.
 
     dtype, TP size and conv layout are not exposed by vLLM; they stay unknown.
     """
-    models = (await client.get(url + "/v1/models", timeout=5)).json()
+    models = (await upstream.get(url + "/v1/models", timeout=5)).json()
     entry = models["data"][0]
     version = None
     try:
-        version = (await client.get(url + "/version", timeout=5)).json().get("version")
+        version = (await upstream.get(url + "/version", timeout=5)).json().get("version")
     except (httpx.HTTPError, ValueError):
         pass
     block_size = None
     try:
-        value = metric_label((await client.get(url + "/metrics", timeout=5)).text, "vllm:cache_config_info", "block_size")
+        value = metric_label((await upstream.get(url + "/metrics", timeout=5)).text, "vllm:cache_config_info", "block_size")
         block_size = int(value) if value and value.isdigit() else None
     except httpx.HTTPError:
         pass

@@ -1,24 +1,87 @@
-"""The router's HTTP to its workers: httpx's client API on aiohttp's connection pool.
+"""The router's HTTP to its workers: ``httpx`` requests and answers on aiohttp's connection pool.
 
 httpx's own transport (httpcore, anyio, h11) parses HTTP in Python and scans its
 whole pool on every request, which cost the router most of its CPU per request
 and grew with concurrency (``docs/performance.md``, "Router overhead"). aiohttp
-parses in C and takes a pooled connection in O(1). Keeping ``httpx.AsyncClient``
-in front keeps the router's code, and lets tests swap the network for
-``httpx.MockTransport``.
+parses in C and takes a pooled connection in O(1). :class:`Upstream` hands each
+``httpx.Request`` straight to the transport: ``httpx.AsyncClient``'s layer (cookie
+jar, URL merging, auth and redirect steps, event hooks) cost as much again as
+aiohttp's whole work on both legs, and the router needs none of it. httpx's
+request and answer types stay, so tests swap the network for ``httpx.MockTransport``
+or any other ``httpx.AsyncBaseTransport``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
 
 import aiohttp
 import httpx
 import yarl
 
-__all__ = ["AiohttpTransport"]
+__all__ = ["AiohttpTransport", "Upstream"]
+
+# Workers' answers come back as they were sent: relayed bytes need no decoding, and a
+# worker on the cluster network gains nothing from compressing each token event. Without
+# it aiohttp would offer the encodings it can read, which httpx may not.
+_HEADERS = {"Accept-Encoding": "identity"}
+
+
+class Upstream:
+    """Requests to workers, each handed as an ``httpx.Request`` straight to ``transport``.
+
+    What ``httpx.AsyncClient`` would add and the router does not want is left out:
+    no cookies are kept or sent, redirects are answers like any other, and there is
+    no base URL, auth or event hooks. ``timeout`` applies to every request that names none.
+    """
+
+    def __init__(self, transport: httpx.AsyncBaseTransport, timeout: httpx.Timeout) -> None:
+        self._transport = transport
+        self._timeout = timeout.as_dict()
+
+    async def request(
+        self,
+        method: str,
+        url: str,
+        *,
+        json: Any = None,
+        headers: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+        stream: bool = False,
+    ) -> httpx.Response:
+        """Send one request; the answer is read whole unless ``stream`` (then the caller closes it).
+
+        Raises ``httpx.HTTPError`` (``httpx.TransportError`` from :class:`AiohttpTransport`) when the
+        worker cannot be reached or its answer breaks off.
+        """
+        extensions = {"timeout": self._timeout if timeout is None else httpx.Timeout(timeout).as_dict()}
+        request = httpx.Request(method, _url(url), json=json, headers={**_HEADERS, **headers} if headers else _HEADERS, extensions=extensions)
+        response = await self._transport.handle_async_request(request)
+        response.request = request
+        if not stream:
+            try:
+                await response.aread()  # closes the body once read
+            except BaseException:
+                await response.aclose()
+                raise
+        return response
+
+    async def get(self, url: str, timeout: float | None = None) -> httpx.Response:
+        """``GET url``, the answer read whole."""
+        return await self.request("GET", url, timeout=timeout)
+
+    async def aclose(self) -> None:
+        """Close the transport and its connections."""
+        await self._transport.aclose()
+
+    async def __aenter__(self) -> Upstream:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
 
 
 class AiohttpTransport(httpx.AsyncBaseTransport):
@@ -27,9 +90,9 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
     The pool is unbounded. A connection idle for longer than ``keepalive_s`` is
     closed instead of reused: keep it below the workers' own keep-alive, or a
     request can go out on a connection the worker is closing at that moment.
-    Each request's httpx ``connect`` and ``read`` timeouts apply; redirects,
-    cookies and content decoding stay httpx's business (aiohttp follows, keeps
-    and decodes nothing), and proxies from the environment are not used.
+    Each request's httpx ``connect`` and ``read`` timeouts apply; aiohttp follows
+    no redirect, keeps no cookie and decodes nothing (``httpx.Response`` decodes
+    what the headers say), and proxies from the environment are not used.
     aiohttp's errors come out as httpx's: ``ConnectError``, ``ConnectTimeout``,
     ``ReadTimeout``, ``ReadError``.
     """
@@ -45,7 +108,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=self._keepalive_s),
                 cookie_jar=aiohttp.DummyCookieJar(),
-                auto_decompress=False,  # httpx decodes the body, as the headers it sent asked for
+                auto_decompress=False,  # httpx.Response decodes what the headers say, should a worker encode
             )
         return self._session
 
@@ -95,6 +158,12 @@ class _Body(httpx.AsyncByteStream):
         # so this only closes the connection of an answer cut short. That is how the worker
         # learns its client left: vLLM then aborts the request instead of generating on.
         self._response.close()
+
+
+@functools.lru_cache(maxsize=256)
+def _url(url: str) -> httpx.URL:
+    # The router sends to a few worker URLs over and over: parse each once (httpx.URL is immutable).
+    return httpx.URL(url)
 
 
 @functools.lru_cache(maxsize=16)
