@@ -11,18 +11,16 @@ import argparse
 import json
 import re
 import socket
-import threading
-import time
 from collections.abc import Iterator
 
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from services.eval.cli import add_eval_parser, main, run_eval
 from services.eval.data import load_problems
 from services.eval.prompts import STOP, build_prompt, fewshot_prefix
+from tests.asgi_server import serve_in_thread
 
 _LAST_QUESTION = re.compile(r"Question: ((?:(?!Question: ).)*)\nAnswer:$", re.S)
 
@@ -84,20 +82,8 @@ async def _yield_a_little() -> None:
 @pytest.fixture(scope="module")
 def servers() -> Iterator[tuple[str, FakeServers]]:
     fake = FakeServers()
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(fake.app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline, "the scripted server did not start"
-        time.sleep(0.01)
-    yield f"http://127.0.0.1:{port}", fake
-    server.should_exit = True
-    thread.join(timeout=5)
-    sock.close()
+    with serve_in_thread(fake.app, lifespan="off") as url:
+        yield url, fake
 
 
 def parse(*argv: str) -> argparse.Namespace:

@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import socket
-import threading
-import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
-import uvicorn
 
 from services.router.app import create_app
 from services.router.settings import RouterSettings
+from tests.asgi_server import serve_in_thread
 
 
 class _Decode:
@@ -36,19 +33,8 @@ class _Decode:
 @pytest.fixture
 def decode() -> Iterator[tuple[str, _Decode]]:
     app = _Decode()
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_keep_alive=30))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline, "the scripted worker did not start"
-        time.sleep(0.01)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}", app
-    server.should_exit = True
-    thread.join(timeout=5)
-    sock.close()
+    with serve_in_thread(app, lifespan="off", timeout_keep_alive=30) as url:
+        yield url, app
 
 
 async def _two_requests_apart(url: str, idle_s: float, **settings) -> None:

@@ -10,19 +10,16 @@ from __future__ import annotations
 
 import json
 import os
-import threading
-import time
 import uuid
 
 import httpx
 import pytest
-import uvicorn
 
 from services.cli import main as hybrid_pd
-from services.common.processes import free_port
 from services.router.app import create_app
 from services.router.settings import RouterSettings
 from services.router.upstream import AiohttpTransport
+from tests.asgi_server import serve_in_thread
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 
@@ -87,16 +84,8 @@ class _OtherRequestsState(httpx.AsyncBaseTransport):
 @pytest.fixture
 def broken_router(stack):
     settings = RouterSettings(prefill=[w.url for w in stack.workers("prefill")], decode=[w.url for w in stack.workers("decode")])
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(settings, transport=_OtherRequestsState()), host="127.0.0.1", port=port, log_config=None))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.1)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(10)
+    with serve_in_thread(create_app(settings, transport=_OtherRequestsState())) as url:
+        yield url
 
 
 def test_gate_fails_when_the_hand_off_is_broken(stack, broken_router, tmp_path):

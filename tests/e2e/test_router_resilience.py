@@ -10,19 +10,18 @@ import asyncio
 import json
 import os
 import signal
-import threading
 import time
 
 import httpx
 import psutil
 import pytest
-import uvicorn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from services.common.processes import free_port
 from services.router.app import create_app
 from services.router.settings import RouterSettings
+from tests.asgi_server import serve_in_thread
 from tests.e2e.conftest import metric, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -121,15 +120,8 @@ def router_without_prefill(stack):
     """A second router, same code, whose only prefill worker is down (a closed port)."""
     decode_urls = [w.url for w in stack.workers("decode")]
     app = create_app(RouterSettings(prefill=[f"http://127.0.0.1:{free_port()}"], decode=decode_urls))
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    assert wait_for(lambda: server.started, 10)
-    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
+    with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=60) as client:
         yield client
-    server.should_exit = True
-    thread.join(10)
 
 
 def test_prefill_down_requests_succeed_through_local_prefill_with_colocated_tokens(router_without_prefill, colocated, stack):
