@@ -162,18 +162,23 @@ async def _body(send: Send, content: bytes, more: bool = True) -> None:
     await send({"type": "http.response.body", "body": content, "more_body": more})
 
 
-def _config(app: FakeOpenAI) -> uvicorn.Config:
-    """uvloop and httptools when installed (uvicorn's "auto"), no access log."""
-    return uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=300)
+def _config(app: Any, **overrides: Any) -> uvicorn.Config:
+    """uvloop and httptools when installed (uvicorn's "auto"), no access log; ``overrides`` go to ``uvicorn.Config``."""
+    settings = {"log_level": "warning", "access_log": False, "lifespan": "off", "timeout_keep_alive": 300, **overrides}
+    return uvicorn.Config(app, **settings)
 
 
 @contextmanager
-def serve_in_thread(app: FakeOpenAI) -> Iterator[str]:
-    """Serve ``app`` on a free port in a background thread of this process; yields its base URL."""
+def serve_in_thread(app: Any, **overrides: Any) -> Iterator[str]:
+    """Serve an ASGI ``app`` on a free port in a background thread of this process; yields its base URL.
+
+    Used for the fake worker here and by tests for any app that needs a real socket
+    (``lifespan="on"`` for the router, whose HTTP client lives in its lifespan).
+    """
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(_config(app))
+    server = uvicorn.Server(_config(app, **overrides))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10

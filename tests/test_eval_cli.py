@@ -17,10 +17,10 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from benchmarks.fake_upstream import serve_in_thread
 from services.eval.cli import add_eval_parser, main, run_eval
 from services.eval.data import load_problems
 from services.eval.prompts import STOP, build_prompt, fewshot_prefix
-from tests.asgi_server import serve_in_thread
 
 _LAST_QUESTION = re.compile(r"Question: ((?:(?!Question: ).)*)\nAnswer:$", re.S)
 
@@ -82,7 +82,7 @@ async def _yield_a_little() -> None:
 @pytest.fixture(scope="module")
 def servers() -> Iterator[tuple[str, FakeServers]]:
     fake = FakeServers()
-    with serve_in_thread(fake.app, lifespan="off") as url:
+    with serve_in_thread(fake.app) as url:
         yield url, fake
 
 

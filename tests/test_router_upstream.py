@@ -8,9 +8,9 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from benchmarks.fake_upstream import serve_in_thread
 from services.router.app import create_app
 from services.router.settings import RouterSettings
-from tests.asgi_server import serve_in_thread
 
 
 class _Decode:
@@ -33,7 +33,7 @@ class _Decode:
 @pytest.fixture
 def decode() -> Iterator[tuple[str, _Decode]]:
     app = _Decode()
-    with serve_in_thread(app, lifespan="off", timeout_keep_alive=30) as url:
+    with serve_in_thread(app, timeout_keep_alive=30) as url:
         yield url, app
 
 

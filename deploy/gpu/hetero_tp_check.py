@@ -25,9 +25,8 @@ import httpx
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from deploy.gpu.pd_check import cli, compare, gpu_model, metrics_of  # noqa: E402
+from deploy.gpu.pd_check import cli, compare, gpu_model, metrics_of, wait_all_ready  # noqa: E402
 from services.common.processes import free_port, spawn, stop_group  # noqa: E402
-from services.common.worker import wait_http_ok  # noqa: E402
 from services.router.legs import decode_body, prefill_body  # noqa: E402
 
 # name -> (role, tensor-parallel size, CUDA_VISIBLE_DEVICES)
@@ -72,11 +71,7 @@ def main() -> int:
         urls[worker] = f"http://127.0.0.1:{port}"
     summary: dict = {"workers": {w: {"role": r, "tp": tp, "gpus": g} for w, (r, tp, g) in WORKERS.items()}}
     try:
-        for worker, proc in procs.items():
-            if not wait_http_ok(urls[worker] + "/health", lambda p=proc: p.poll() is None, 540):
-                raise SystemExit(f"{worker} did not start; see {args.out / (worker + '.log')}")
-        summary["ready_s"] = round(time.monotonic() - started, 1)
-        print(f"all ready in {summary['ready_s']} s", flush=True)
+        summary["ready_s"] = wait_all_ready(procs, urls, args.out, started)
         vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
         body = {"model": name, "max_tokens": 32, "temperature": 0, "logprobs": 2, "return_token_ids": True, "ignore_eos": True}
         for direction, (prefill, decode) in DIRECTIONS.items():

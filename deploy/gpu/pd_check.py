@@ -96,6 +96,16 @@ def gpu_model() -> Path:
     return model_dir
 
 
+def wait_all_ready(procs: dict, urls: dict[str, str], logs: Path, started: float, timeout_s: float = 540) -> float:
+    """Wait for every server's ``/health``; exit naming the one that did not start. Returns seconds since ``started``."""
+    for name, proc in procs.items():
+        if not wait_http_ok(urls[name] + "/health", lambda p=proc: p.poll() is None, timeout_s):
+            raise SystemExit(f"{name} did not start; see {logs / (name + '.log')}")
+    ready_s = round(time.monotonic() - started, 1)
+    print(f"all ready in {ready_s} s", flush=True)
+    return ready_s
+
+
 def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "services.cli", *args]
 
@@ -163,11 +173,7 @@ def main() -> int:
     )
     summary: dict = {"model_shape": SHAPE}
     try:
-        for role, proc in procs.items():
-            if not wait_http_ok(urls[role] + "/health", lambda p=proc: p.poll() is None, 600):
-                raise SystemExit(f"{role} did not start; see {args.out / (role + '.log')}")
-        summary["ready_s"] = round(time.monotonic() - started, 1)
-        print(f"all ready in {summary['ready_s']} s", flush=True)
+        summary["ready_s"] = wait_all_ready(procs, urls, args.out, started, timeout_s=600)
 
         # Warm up both paths (first requests are slow), then let a stats interval pass.
         for _ in range(2):

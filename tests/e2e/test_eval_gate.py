@@ -15,11 +15,11 @@ import uuid
 import httpx
 import pytest
 
+from benchmarks.fake_upstream import serve_in_thread
 from services.cli import main as hybrid_pd
 from services.router.app import create_app
 from services.router.settings import RouterSettings
 from services.router.upstream import AiohttpTransport
-from tests.asgi_server import serve_in_thread
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 
@@ -84,7 +84,7 @@ class _OtherRequestsState(httpx.AsyncBaseTransport):
 @pytest.fixture
 def broken_router(stack):
     settings = RouterSettings(prefill=[w.url for w in stack.workers("prefill")], decode=[w.url for w in stack.workers("decode")])
-    with serve_in_thread(create_app(settings, transport=_OtherRequestsState())) as url:
+    with serve_in_thread(create_app(settings, transport=_OtherRequestsState()), lifespan="on") as url:
         yield url
 
 

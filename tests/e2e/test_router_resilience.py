@@ -18,10 +18,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from benchmarks.fake_upstream import serve_in_thread
 from services.common.processes import free_port
 from services.router.app import create_app
 from services.router.settings import RouterSettings
-from tests.asgi_server import serve_in_thread
 from tests.e2e.conftest import metric, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -120,7 +120,7 @@ def router_without_prefill(stack):
     """A second router, same code, whose only prefill worker is down (a closed port)."""
     decode_urls = [w.url for w in stack.workers("decode")]
     app = create_app(RouterSettings(prefill=[f"http://127.0.0.1:{free_port()}"], decode=decode_urls))
-    with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=60) as client:
+    with serve_in_thread(app, lifespan="on") as url, httpx.Client(base_url=url, timeout=60) as client:
         yield client
 
 
