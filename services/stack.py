@@ -123,32 +123,36 @@ class Stack:
             if not wait_http_ok(service.health, lambda: proc.poll() is None, self.config.ready_timeout_s):
                 self.stop()
                 raise StackError(f"{service.name} did not become ready; see {self.log_path(service.name)}")
-            self._check_identity(service)
+            if service.name == "router":
+                self._wait_until_router_routes_to_all(service)
+            else:
+                self._check_identity(service)
             log.info("ready %s", kv(service=service.name, url=service.url))
 
-    def _check_identity(self, service: Service) -> None:
-        """Make sure the port answers with our process, not another one on a shared machine.
+    def _wait_until_router_routes_to_all(self, router: Service) -> None:
+        """Check the router is ours, then wait until it routes to every worker we started.
 
-        For the router, also wait until it routes to every worker we started: it
-        evicts workers that are still loading and re-admits them on its next health
-        check, and until then requests would skip the prefill leg (local prefill).
+        It evicts workers that are still loading and re-admits them on its next health
+        check; until then requests would skip the prefill leg (local prefill).
         """
-        if service.name == "router":
-            ours = {s.url for s in self.workers("prefill") + self.workers("decode")}
-            deadline = time.monotonic() + self.config.ready_timeout_s
-            while True:
-                with urllib.request.urlopen(service.health, timeout=5) as resp:
-                    health = json.load(resp)
-                if set(health.get("prefill", [])) | set(health.get("decode", [])) != ours:
-                    self.stop()
-                    raise StackError(f"{service.url} is another router: {health}")
-                available = health.get("available", {})
-                if set(available.get("prefill", [])) | set(available.get("decode", [])) == ours:
-                    return
-                if time.monotonic() > deadline:
-                    self.stop()
-                    raise StackError(f"the router does not route to every worker: {health}")
-                time.sleep(0.2)
+        ours = {s.url for s in self.workers("prefill") + self.workers("decode")}
+        deadline = time.monotonic() + self.config.ready_timeout_s
+        while True:
+            with urllib.request.urlopen(router.health, timeout=5) as resp:
+                health = json.load(resp)
+            if set(health.get("prefill", [])) | set(health.get("decode", [])) != ours:
+                self.stop()
+                raise StackError(f"{router.url} is another router: {health}")
+            available = health.get("available", {})
+            if set(available.get("prefill", [])) | set(available.get("decode", [])) == ours:
+                return
+            if time.monotonic() > deadline:
+                self.stop()
+                raise StackError(f"the router does not route to every worker: {health}")
+            time.sleep(0.2)
+
+    def _check_identity(self, service: Service) -> None:
+        """Make sure the worker's port answers with our process, not another one on a shared machine."""
         with urllib.request.urlopen(service.url + "/v1/models", timeout=5) as resp:
             models = json.load(resp)
         roots = {m.get("root") for m in models.get("data", [])}
