@@ -192,7 +192,8 @@ def _vllm_pid_listening_on(port: int) -> int:
 
 def test_decode_worker_killed_mid_stream_client_gets_an_error_event_and_traffic_moves_on(stack, decode_workers):
     """kill -9 of the decode worker serving a stream (keep this test last: the worker stays dead)."""
-    body = {"model": _model(stack), "prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    # Long and slowed by 20 logprobs per token: the tiny model must still be generating when the kill comes.
+    body = {"model": _model(stack), "prompt": "Once upon a time", "max_tokens": 2000, "logprobs": 20, "ignore_eos": True, "stream": True}
     client, response, lines = _stream_first_chunks(stack.url, body, chunks=3)
     busy = []
     assert wait_for(lambda: busy.extend(i for i, d in enumerate(decode_workers) if metric(d, "vllm:num_requests_running") >= 1) or busy)
