@@ -72,7 +72,7 @@ async def test_request_and_answer_pass_through_unchanged_and_no_redirect_is_foll
             await writer.drain()
 
     async with _server(handler) as url, _client() as client:
-        r = await client.request("POST", url + "/v1/completions?a=1", json={"prompt": [1, 2]}, headers={"X-Request-Id": "req-7"})
+        r = await client.request("POST", url + "/v1/completions?a=1", json_body=b'{"prompt": [1, 2]}', headers={"X-Request-Id": "req-7"})
         assert (r.status_code, r.reason_phrase, r.headers["x-worker"]) == (422, "Unprocessable Entity", "w1")
         assert r.json() == {"error": {"message": "no"}}
         moved = await client.get(url + "/moved")
@@ -98,7 +98,7 @@ async def test_a_streamed_answer_arrives_chunk_by_chunk():
         await writer.drain()
 
     async with _server(handler) as url, _client() as client:
-        response = await client.request("POST", url, json={}, stream=True)
+        response = await client.request("POST", url, json_body=b"{}", stream=True)
         chunks = response.aiter_bytes()
         assert await asyncio.wait_for(anext(chunks), 5) == b"data: 1\n\n", "the first event waited for the rest"
         rest_may_go.set()
@@ -117,7 +117,7 @@ async def test_closing_an_answer_before_its_end_drops_the_connection():
         disconnected.set()
 
     async with _server(handler) as url, _client() as client:
-        response = await client.request("POST", url, json={}, stream=True)
+        response = await client.request("POST", url, json_body=b"{}", stream=True)
         assert await anext(response.aiter_bytes()) == b"data: 1\n\n"
         await response.aclose()
         await asyncio.wait_for(disconnected.wait(), 5)
@@ -186,7 +186,7 @@ async def test_a_worker_that_stops_sending_is_a_read_timeout(stalls: str):
 
     async with _server(handler) as url, _client(httpx.Timeout(5.0, read=0.2)) as client:
         with pytest.raises(httpx.ReadTimeout):
-            await client.request("POST", url, json={})
+            await client.request("POST", url, json_body=b"{}")
 
 
 async def test_a_timeout_given_with_the_request_replaces_the_default():
@@ -212,4 +212,4 @@ async def test_a_connection_dropped_before_the_answer_ends_is_a_read_error(sent:
 
     async with _server(handler) as url, _client() as client:
         with pytest.raises(httpx.ReadError):
-            await client.request("POST", url, json={})
+            await client.request("POST", url, json_body=b"{}")

@@ -7,6 +7,11 @@ a failed prefill leg falls back to a local prefill on the decode worker, a decod
 worker that fails before its first byte is replaced once, a stream that breaks
 ends with an OpenAI error event, and a client that goes away cancels the decode
 request (vLLM aborts it and the prefill's held blocks are released).
+
+The two generation paths (``POST /v1/completions``, ``POST /v1/chat/completions``) carry
+all the traffic and are served as plain ASGI (:class:`RouterApp`): Starlette's middleware,
+routing, FastAPI's dependency solving and its request and response objects cost more CPU per
+request than anything the router does itself. Every other route is FastAPI's.
 """
 
 from __future__ import annotations
@@ -24,26 +29,34 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.types import Message, Receive, Scope, Send
 
 from connector.compat import WorkerIdentity
 from services.common.logs import kv, request_id_var
 from services.common.openai_errors import OpenAIError, error_body, error_event
 from services.router.admin import admin_routes
 from services.router.disconnect import cancel_on_disconnect
-from services.router.legs import decode_body, merge_usage, prefill_body
+from services.router.legs import LegEncoder, decode_body, merge_usage, prefill_body
 from services.router.metrics import RouterMetrics
 from services.router.policies import Policy, RequestInfo, make_policy
 from services.router.registry import Registry, Worker, probe_identity
 from services.router.settings import RouterSettings
 from services.router.upstream import AiohttpTransport, Upstream
 
-__all__ = ["create_app", "RouterState"]
+__all__ = ["create_app", "RouterApp", "RouterState"]
 
 log = logging.getLogger("hybrid_pd.router")
 
 _JSON = "application/json"
+
+# The generation paths served as plain ASGI, and their ``route`` label in the metrics.
+_GENERATION_ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "completions"}
+# What Starlette's JSONResponse writes: compact, UTF-8 as is, no NaN or Infinity.
+_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+_JSON_TYPE = (b"content-type", b"application/json")
+_SSE_TYPE = (b"content-type", b"text/event-stream; charset=utf-8")
 
 
 @dataclass
@@ -70,7 +83,26 @@ class Routed:
     sent_at: float
 
 
-def create_app(settings: RouterSettings, transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
+class RouterApp(FastAPI):
+    """The router's app: :func:`_serve` takes the generation paths as plain ASGI, FastAPI the rest."""
+
+    def __init__(self, router_state: RouterState, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.state.router = router_state
+        self._router_state = router_state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        route = _GENERATION_ROUTES.get(scope["path"]) if scope["type"] == "http" else None
+        if route is None:
+            await super().__call__(scope, receive, send)
+        elif scope["method"] != "POST":
+            headers = [(b"allow", b"POST")]
+            await _send_json(send, 405, _ENCODER.encode(_method_not_allowed(scope["method"], scope["path"])).encode(), headers)
+        else:
+            await _serve(self._router_state, scope, receive, send, route)
+
+
+def create_app(settings: RouterSettings, transport: httpx.AsyncBaseTransport | None = None) -> RouterApp:
     """Build the router app for ``settings``; its HTTP client and health loop live as long as the app.
 
     Legs go over :class:`AiohttpTransport`; ``transport`` replaces it (tests of protocol edge cases only).
@@ -103,15 +135,12 @@ def create_app(settings: RouterSettings, transport: httpx.AsyncBaseTransport | N
                 with suppress(asyncio.CancelledError):
                     await health
 
-    app = FastAPI(title="hybrid-pd router", lifespan=lifespan)
-    app.state.router = state
+    app = RouterApp(state, title="hybrid-pd router", lifespan=lifespan)
     app.include_router(admin_routes(state))
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
-        state.metrics.rejected.labels(str(exc.status)).inc()
-        headers = {"Retry-After": "1"} if exc.status in (429, 503) else None
-        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=_rejected(state, exc))
 
     @app.exception_handler(404)
     async def _not_found(request: Request, exc: Exception) -> JSONResponse:
@@ -119,7 +148,7 @@ def create_app(settings: RouterSettings, transport: httpx.AsyncBaseTransport | N
 
     @app.exception_handler(405)
     async def _bad_method(request: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse(error_body(405, f"{request.method} not allowed on {request.url.path}"), status_code=405)
+        return JSONResponse(_method_not_allowed(request.method, request.url.path), status_code=405)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -140,7 +169,7 @@ def create_app(settings: RouterSettings, transport: httpx.AsyncBaseTransport | N
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        _authorize(request, settings.api_keys)
+        _authorize(request.headers.get("authorization", ""), settings.api_keys)
         decodes = [w for w in registry.role("decode") if w.available]
         if not decodes:
             raise OpenAIError(503, "no decode worker is available")
@@ -150,15 +179,17 @@ def create_app(settings: RouterSettings, transport: httpx.AsyncBaseTransport | N
             raise OpenAIError(502, f"decode worker unreachable: {type(exc).__name__}") from exc
         return Response(upstream.content, status_code=upstream.status_code, media_type=_JSON)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await _serve(state, request, "/v1/completions")
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await _serve(state, request, "/v1/chat/completions")
-
     return app
+
+
+def _rejected(state: RouterState, exc: OpenAIError) -> dict[str, str] | None:
+    """Count a request refused with ``exc``; the headers its answer carries (``Retry-After`` for 429 and 503)."""
+    state.metrics.rejected.labels(str(exc.status)).inc()
+    return {"Retry-After": "1"} if exc.status in (429, 503) else None
+
+
+def _method_not_allowed(method: str, path: str) -> dict:
+    return error_body(405, f"{method} not allowed on {path}")
 
 
 async def _health_loop(state: RouterState) -> None:
@@ -172,23 +203,32 @@ async def _health_loop(state: RouterState) -> None:
         await asyncio.sleep(state.settings.health_interval_s)
 
 
-def _authorize(request: Request, keys: list[str]) -> None:
+def _authorize(header: str, keys: list[str]) -> None:
+    """Refuse (401) unless ``header``, the request's ``Authorization``, names one of ``keys`` (none: open)."""
     if not keys:
         return
-    header = request.headers.get("authorization", "")
     if not header.startswith("Bearer ") or header[7:] not in keys:
         raise OpenAIError(401, "missing or invalid API key (Authorization: Bearer ...)")
 
 
-async def _read_body(request: Request, limit: int) -> dict[str, Any]:
-    declared = request.headers.get("content-length")
+async def _read_body(receive: Receive, declared: str | None, limit: int) -> dict[str, Any]:
+    """The request's JSON object, read from ``receive``; 413 past ``limit`` bytes (``declared``: its Content-Length)."""
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise OpenAIError(413, f"request body is larger than {limit} bytes")
-    raw = bytearray()
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > limit:
+    chunks: list[bytes] = []
+    size = 0
+    more = True
+    while more:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise OpenAIError(499, "client disconnected while sending its request")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
             raise OpenAIError(413, f"request body is larger than {limit} bytes")
+        chunks.append(chunk)
+        more = message.get("more_body", False)
+    raw = chunks[0] if len(chunks) == 1 else b"".join(chunks)
     try:
         body = json.loads(raw, parse_constant=_not_a_json_number, parse_float=_finite_float)
     except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as exc:
@@ -223,40 +263,106 @@ def _is_prompt_list(body: dict[str, Any]) -> bool:
     )
 
 
-async def _serve(state: RouterState, request: Request, path: str) -> Response:
-    request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-    request_id_var.set(request_id)
+async def _serve(state: RouterState, scope: Scope, receive: Receive, send: Send, route: str) -> None:
+    """Answer one generation request, speaking ASGI: routed, then answered whole or relayed as a stream.
+
+    An :class:`OpenAIError` becomes an OpenAI error answer (once an answer has started, there is
+    nobody to tell: a client that left mid-stream); any other exception a 500 before it goes on
+    to the server, as Starlette's error middleware does.
+    """
     arrived = time.perf_counter()
-    route = path.rsplit("/", 1)[-1]
-    _authorize(request, state.settings.api_keys)
-    body = await _read_body(request, state.settings.max_body_bytes)
+    authorization, declared, request_id = "", None, None
+    for name, value in scope["headers"]:  # names are lower case in ASGI; the first of repeated ones counts
+        if name == b"authorization" and not authorization:
+            authorization = value.decode("latin-1")
+        elif name == b"content-length" and declared is None:
+            declared = value.decode("latin-1")
+        elif name == b"x-request-id" and request_id is None:
+            request_id = value.decode("latin-1")
+    request_id = request_id or uuid.uuid4().hex
+    request_id_var.set(request_id)
+    id_header = (b"x-request-id", request_id.encode("latin-1"))
+    client = _Client(send)
+    try:
+        _authorize(authorization, state.settings.api_keys)
+        body = await _read_body(receive, declared, state.settings.max_body_bytes)
+        await _generate(state, client, receive, body, scope["path"], route, request_id, id_header, arrived)
+    except OpenAIError as exc:
+        if client.started:
+            return
+        headers = _rejected(state, exc) or {}
+        extra = [id_header, *((k.lower().encode(), v.encode()) for k, v in headers.items())]
+        await _send_json(send, exc.status, _ENCODER.encode(exc.body()).encode(), extra)
+    except Exception:
+        if not client.started:
+            await _send_json(send, 500, _ENCODER.encode(error_body(500, "internal server error")).encode(), [id_header])
+        raise
+
+
+async def _generate(
+    state: RouterState,
+    client: _Client,
+    receive: Receive,
+    body: dict[str, Any],
+    path: str,
+    route: str,
+    request_id: str,
+    id_header: tuple[bytes, bytes],
+    arrived: float,
+) -> None:
+    """Route ``body`` and answer the client: whole, or relayed as a stream."""
     if state.inflight >= state.settings.max_concurrency:
         raise OpenAIError(429, f"the router is at its concurrency limit ({state.settings.max_concurrency})")
     state.inflight += 1
-    done = _once(lambda: setattr(state, "inflight", state.inflight - 1))
     try:
-        headers = {"X-Request-Id": request_id}
         stream = bool(body.get("stream"))
-        # Until the answer starts, nothing else reads from the client: a client that leaves must
-        # cancel the legs here (a stream being relayed is watched by StreamingResponse).
-        async with cancel_on_disconnect(request.receive):
+        # Until the answer is complete, nothing else reads from the client: a client that leaves
+        # must cancel the legs, or the stream being relayed, here.
+        async with cancel_on_disconnect(receive):
             if path == "/v1/completions" and _is_prompt_list(body):
                 bodies = [{**body, "prompt": p} for p in body["prompt"]]
                 routed = await _route_all(state, path, bodies, request_id)
             else:
                 routed = [await _route(state, path, body, request_id)]
             failed = next((r for r in routed if r.response.status_code != 200), None)
+            whole: tuple[int, bytes] | None = None
             if failed is not None or not stream:
-                response = await _answer(routed, failed, body, headers)
-                state.metrics.requests.labels(route, "ok" if failed is None else f"http_{failed.response.status_code}").inc()
-                state.metrics.e2e.observe(time.perf_counter() - arrived)
-                return response
-        relay = _relay(state, routed, body, arrived, route)
-        done_after_stream = _with_finally(relay, done)
-        done = _once(lambda: None)  # the stream now owns the release
-        return StreamingResponse(done_after_stream, media_type="text/event-stream", headers=headers)
+                whole = await _answer(routed, failed, body)
+            else:
+                await client.send({"type": "http.response.start", "status": 200, "headers": [_SSE_TYPE, id_header]})
+                await _relay(state, routed, body, arrived, route, client.send)
+        # The message that completes the answer goes out after the block: from then on a server's
+        # receive says http.disconnect, which the block would take for the client leaving.
+        if whole is None:
+            await client.send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
+        status, content = whole
+        await _send_json(client.send, status, content, [id_header])
+        state.metrics.requests.labels(route, "ok" if failed is None else f"http_{status}").inc()
+        state.metrics.e2e.observe(time.perf_counter() - arrived)
     finally:
-        done()
+        state.inflight -= 1
+
+
+class _Client:
+    """The client's side of an ASGI request: ``send``, and whether the answer has started."""
+
+    __slots__ = ("_send", "started")
+
+    def __init__(self, send: Send) -> None:
+        self._send = send
+        self.started = False
+
+    async def send(self, message: Message) -> None:
+        self.started = True
+        await self._send(message)
+
+
+async def _send_json(send: Send, status: int, content: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+    """A whole JSON answer (``content``, encoded), with ``headers`` besides its type and length."""
+    start = [_JSON_TYPE, (b"content-length", str(len(content)).encode()), *headers]
+    await send({"type": "http.response.start", "status": status, "headers": start})
+    await send({"type": "http.response.body", "body": content, "more_body": False})
 
 
 async def _route_all(state: RouterState, path: str, bodies: list[dict], request_id: str) -> list[Routed]:
@@ -278,6 +384,7 @@ async def _route(state: RouterState, path: str, body: dict[str, Any], request_id
     started = time.perf_counter()
     settings, metrics, upstream = state.settings, state.metrics, state.upstream
     info = RequestInfo.from_body(body, settings.prefix_affinity_chars)
+    encoder = LegEncoder(body)
     headers = {"X-Request-Id": request_id}
     tried: set[str] = set()
     prefill_s = 0.0
@@ -295,7 +402,7 @@ async def _route(state: RouterState, path: str, body: dict[str, Any], request_id
                 metrics.fallbacks.labels("no_prefill_worker").inc()
             else:
                 leg_started = time.perf_counter()
-                leg = await _prefill_leg(state, prefill, path, body, headers, info)
+                leg = await _prefill_leg(state, prefill, path, encoder.encode(prefill_body(body)), headers, info)
                 prefill_s += time.perf_counter() - leg_started
                 if isinstance(leg, Routed):
                     return leg  # the prefill worker refused the request (4xx): the client gets that
@@ -307,7 +414,8 @@ async def _route(state: RouterState, path: str, body: dict[str, Any], request_id
         sent_at = time.perf_counter()
         metrics.overhead.observe(max(0.0, sent_at - started - prefill_s))
         try:
-            response = await upstream.request("POST", decode.url + path, json=decode_body(body, kv_params), headers=headers, stream=True)
+            leg_body = encoder.encode(decode_body(body, kv_params))
+            response = await upstream.request("POST", decode.url + path, json_body=leg_body, headers=headers, stream=True)
         except httpx.HTTPError as exc:
             release()
             log.warning("decode leg failed %s", kv(worker=decode.url, error=type(exc).__name__, attempt=attempt))
@@ -348,13 +456,13 @@ def _pick_prefill(state: RouterState, decode: Worker, info: RequestInfo) -> Work
 
 
 async def _prefill_leg(
-    state: RouterState, prefill: Worker, path: str, body: dict, headers: dict, info: RequestInfo
+    state: RouterState, prefill: Worker, path: str, leg_body: bytes, headers: dict, info: RequestInfo
 ) -> dict | Routed | None:
-    """The prefill answer (JSON); a Routed error for a 4xx; None when the leg failed (fall back)."""
+    """The prefill answer (JSON) to ``leg_body``; a Routed error for a 4xx; None when the leg failed (fall back)."""
     release = _lease(state, prefill, info.est_tokens)
     started = time.perf_counter()
     try:
-        response = await state.upstream.request("POST", prefill.url + path, json=prefill_body(body), headers=headers)
+        response = await state.upstream.request("POST", prefill.url + path, json_body=leg_body, headers=headers)
     except httpx.HTTPError as exc:
         log.warning("prefill leg failed, local prefill %s", kv(worker=prefill.url, error=type(exc).__name__))
         state.registry.record_health(prefill, ok=False)
@@ -403,18 +511,17 @@ async def _close(routed: Routed) -> None:
     await routed.response.aclose()
 
 
-async def _answer(routed: list[Routed], failed: Routed | None, body: dict, headers: dict) -> Response:
-    """A whole (non-streamed) answer, or the first failed leg's error as it came."""
+async def _answer(routed: list[Routed], failed: Routed | None, body: dict) -> tuple[int, bytes]:
+    """A whole (non-streamed) answer, or the first failed leg's error as it came: (status, JSON)."""
     try:
         if failed is not None:
-            content = await failed.response.aread()
-            return Response(content, status_code=failed.response.status_code, media_type=_JSON, headers=headers)
+            return failed.response.status_code, await failed.response.aread()
         answers = []
         for r in routed:
             answer = json.loads(await r.response.aread())
             answer["usage"] = merge_usage(r.prefill_usage, answer.get("usage"))
             answers.append(answer)
-        return JSONResponse(_merge_answers(answers, body), headers=headers)
+        return 200, _ENCODER.encode(_merge_answers(answers, body)).encode()
     finally:
         for r in routed:
             await _close(r)
@@ -449,11 +556,11 @@ class _StreamBroke(Exception):
         self.worker, self.error = worker, type(error).__name__
 
 
-async def _relay(state: RouterState, routed: list[Routed], body: dict, arrived: float, route: str) -> AsyncIterator[bytes]:
-    """Stream the decode answer(s) to the client with merged usage.
+async def _relay(state: RouterState, routed: list[Routed], body: dict, arrived: float, route: str, send: Send) -> None:
+    """Stream the decode answer(s) to the client with merged usage, as ``http.response.body`` messages.
 
-    Cancelling this generator (client gone) closes every upstream stream, which
-    makes vLLM abort the request.
+    The answer's start has been sent, its end is the caller's. Cancelling this (client gone)
+    closes every upstream stream, which makes vLLM abort the request.
     """
     metrics = state.metrics
     chunks = _relay_one(routed[0]) if len(routed) == 1 else _relay_several(routed, body)
@@ -469,11 +576,11 @@ async def _relay(state: RouterState, routed: list[Routed], body: dict, arrived: 
                 else:
                     metrics.itl.observe(now - last)
                 last = now
-                yield chunk
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except _StreamBroke as broke:
             outcome = "stream_error"
             log.warning("decode stream broke %s", kv(worker=broke.worker, error=broke.error))
-            yield error_event(502, f"decode worker failed mid-stream: {broke.error}")
+            await send({"type": "http.response.body", "body": error_event(502, f"decode worker failed mid-stream: {broke.error}"), "more_body": True})
     except asyncio.CancelledError:
         outcome = "client_disconnected"
         log.info("client disconnected; aborting decode %s", kv(workers=[r.decode.url for r in routed]))
@@ -573,12 +680,3 @@ async def _relay_several(routed: list[Routed], body: dict) -> AsyncIterator[byte
     finally:
         for task in pumps:
             task.cancel()
-
-
-async def _with_finally(stream: AsyncIterator[bytes], finish: Callable[[], None]) -> AsyncIterator[bytes]:
-    try:
-        async for chunk in stream:
-            yield chunk
-    finally:
-        finish()
-

@@ -1,11 +1,12 @@
 """Stop working for a client that went away, as soon as it goes.
 
 While the router waits for its workers (the prefill leg, the decode worker's first
-byte, a whole non-streamed answer), nobody reads from the client's connection. A
-client that disconnects then would leave vLLM generating for nobody and the prefill
-worker holding state for a pull that never comes. :func:`cancel_on_disconnect` cancels
-the waiting instead: the legs' connections close, which is how vLLM learns to abort.
-Once a stream is being relayed, Starlette's ``StreamingResponse`` watches the client itself.
+byte, a whole non-streamed answer, the next event of a stream), nobody reads from the
+client's connection. A client that disconnects then would leave vLLM generating for
+nobody and the prefill worker holding state for a pull that never comes.
+:func:`cancel_on_disconnect` cancels the waiting instead: the legs' connections close,
+which is how vLLM learns to abort. One watcher covers a request from its body read to
+its answer's last event.
 """
 
 from __future__ import annotations

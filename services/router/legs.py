@@ -10,9 +10,10 @@ recomputes token N, so the token the prefill samples is never shown to the clien
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-__all__ = ["PREFILL_KV_TRANSFER_PARAMS", "prefill_body", "decode_body", "merge_usage"]
+__all__ = ["PREFILL_KV_TRANSFER_PARAMS", "LegEncoder", "prefill_body", "decode_body", "merge_usage"]
 
 # What the prefill leg asks for: keep the state for a remote decode worker to pull.
 PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {
@@ -48,6 +49,38 @@ def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any] | None)
     if kv_transfer_params is None:
         return dict(body)
     return {**body, "kv_transfer_params": kv_transfer_params}
+
+
+# What httpx's ``json=`` wrote: compact, UTF-8 as is, and no NaN or Infinity (JSON has neither).
+_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
+class LegEncoder:
+    """JSON bodies for the legs of one client request, its prompt encoded once for all of them.
+
+    The prompt (``prompt``, or a chat's ``messages``) is most of a request's bytes and both legs
+    send it unchanged: a leg whose prompt is the client's own object gets that encoding spliced
+    in after its other fields (the order of a JSON object's fields carries no meaning); any other
+    body is encoded whole.
+    """
+
+    __slots__ = ("_key", "_prompt", "_encoded")
+
+    def __init__(self, body: dict[str, Any]) -> None:
+        self._key = "prompt" if "prompt" in body else "messages" if "messages" in body else None
+        self._prompt = body.get(self._key) if self._key else None
+        self._encoded: str | None = None
+
+    def encode(self, leg: dict[str, Any]) -> bytes:
+        """``leg`` as compact UTF-8 JSON (``ValueError`` for NaN or Infinity, ``TypeError`` for what JSON cannot hold)."""
+        key = self._key
+        if key is None or key not in leg or leg[key] is not self._prompt:
+            return _ENCODER.encode(leg).encode()
+        if self._encoded is None:
+            self._encoded = _ENCODER.encode(self._prompt)
+        rest = _ENCODER.encode({k: v for k, v in leg.items() if k != key})
+        separator = "," if len(leg) > 1 else ""
+        return f'{rest[:-1]}{separator}"{key}":{self._encoded}}}'.encode()
 
 
 def merge_usage(prefill_usage: dict[str, Any] | None, decode_usage: dict[str, Any] | None) -> dict[str, Any] | None:
