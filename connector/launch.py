@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from connector.nixl_progress import DELAY_ENV
+from connector.nixl_trace import TRACE_ENV
 
 __all__ = ["Launch", "Role", "Device", "WorkerSpec", "build_launch", "kv_transfer_config"]
 
@@ -58,6 +59,9 @@ class WorkerSpec:
     cpu_threads_bind: str | None = None
     attention_free: bool = False  # a pure-Mamba model: needs our NIXL connector extension
     kv_lease_s: int | None = None  # how long a prefill holds state nobody pulled (vLLM default: 30 s)
+    rdma_devices: tuple[str, ...] = ()  # active RDMA ports on this host (connector.topology.rdma_devices)
+    ucx_net_devices: str | None = None  # UCX_NET_DEVICES chosen by the operator: overrides the rule
+    nixl_trace_dir: str | None = None  # record every NIXL transfer here (connector/nixl_trace.py)
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
@@ -88,8 +92,8 @@ def kv_transfer_config(spec: WorkerSpec) -> dict | None:
 
     On CPU the KV cache lives in host memory, so NIXL registers and reads host
     buffers (``kv_buffer_device=cpu``); on GPU it reads device memory directly.
-    CPU workers and models without attention layers load our connector
-    (``connector/nixl_connector.py``): vLLM's, plus the fixes they need.
+    CPU workers, models without attention layers and traced workers load our
+    connector (``connector/nixl_connector.py``): vLLM's, plus the fixes and hooks they need.
     """
     role = kv_role(spec.role)
     if role is None:
@@ -99,7 +103,7 @@ def kv_transfer_config(spec: WorkerSpec) -> dict | None:
         "kv_role": role,
         "kv_buffer_device": "cpu" if spec.device == "cpu" else "cuda",
     }
-    if spec.attention_free or spec.device == "cpu":
+    if spec.attention_free or spec.device == "cpu" or spec.nixl_trace_dir:
         config["kv_connector_module_path"] = "connector.nixl_connector"
     if spec.role == "decode":
         # A failed or expired pull (prefill restarted, lease ran out, first handshake timed
@@ -132,19 +136,31 @@ def side_channel_env(spec: WorkerSpec) -> dict[str, str]:
 
 
 def ucx_env(spec: WorkerSpec) -> dict[str, str]:
-    """UCX transports that work for this worker's topology.
+    """UCX settings for where this worker's peers are: the transfer path's topology rule.
 
-    CPU on one host: TCP over loopback plus shared memory; UCX's auto-detection
-    otherwise may pick interfaces that are not reachable in a sandbox.
-    GPU: leave UCX_TLS unset (NIXL cannot create its agent with a restricted list)
-    and enable cuda_ipc zero-copy GET, without which UCX emulates vLLM's READ over
-    tcp/lo at ~0.5 GB/s (534 ms vs 12.2 ms per transfer measured on an H100).
+    - CPU on one host: TCP over loopback plus shared memory; UCX's auto-detection
+      otherwise may pick interfaces that are not reachable in a sandbox.
+    - GPU peers on the same GPU or joined only by PCIe: vLLM pulls with a READ,
+      which UCX emulates over tcp/lo at ~0.5 GB/s unless cuda_ipc's zero-copy GET
+      is enabled (534 ms vs 12.2 ms per transfer measured on an H100). GPUs joined
+      by NVLink already use it, so one setting serves every pair on a host
+      (docs/performance.md has both measured). UCX_TLS stays unset: NIXL cannot
+      create its agent with a restricted list.
+    - Peers on other hosts: over the host's active RDMA ports when it has any
+      (``spec.rdma_devices``), never a TCP interface UCX happens to prefer.
+    ``spec.ucx_net_devices``, when set, is the operator's choice and wins.
     """
     if spec.role == "colocated":
         return {}
     if spec.device == "cpu":
-        return {"UCX_TLS": "tcp,self,sm", "UCX_NET_DEVICES": "lo"}
-    return {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
+        env = {"UCX_TLS": "tcp,self,sm", "UCX_NET_DEVICES": "lo"}
+    else:
+        env = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
+        if spec.rdma_devices:
+            env["UCX_NET_DEVICES"] = ",".join(spec.rdma_devices)
+    if spec.ucx_net_devices:
+        env["UCX_NET_DEVICES"] = spec.ucx_net_devices
+    return env
 
 
 def nixl_progress_env(spec: WorkerSpec) -> dict[str, str]:
@@ -158,6 +174,13 @@ def nixl_progress_env(spec: WorkerSpec) -> dict[str, str]:
     if spec.role == "colocated" or spec.device != "cpu":
         return {}
     return {DELAY_ENV: str(CPU_NIXL_PROGRESS_DELAY_US)}
+
+
+def nixl_trace_env(spec: WorkerSpec) -> dict[str, str]:
+    """Where a traced worker records its NIXL transfers (``benchmarks/nixl_floor.py`` replays them)."""
+    if spec.role == "colocated" or not spec.nixl_trace_dir:
+        return {}
+    return {TRACE_ENV: spec.nixl_trace_dir}
 
 
 def prefix_caching_args(spec: WorkerSpec) -> list[str]:
@@ -244,6 +267,7 @@ def build_launch(spec: WorkerSpec) -> Launch:
         **side_channel_env(spec),
         **ucx_env(spec),
         **nixl_progress_env(spec),
+        **nixl_trace_env(spec),
         **device_env(spec),
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",

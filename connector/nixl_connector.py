@@ -1,8 +1,9 @@
-"""The NixlConnector our workers load into vLLM: vLLM's own, plus two fixes.
+"""The NixlConnector our workers load into vLLM: vLLM's own, plus our fixes and hooks.
 
 vLLM loads it through ``kv_connector_module_path=connector.nixl_connector`` (see
-:func:`connector.launch.kv_transfer_config`) on CPU workers and for models without
-attention; everything else is vLLM's pull connector unchanged.
+:func:`connector.launch.kv_transfer_config`) on CPU workers, for models without
+attention and on workers that trace their transfers; everything else is vLLM's
+pull connector unchanged.
 
 1. **Pure-Mamba handshake.** vLLM's NIXL worker sizes the reads of every KV region
    by the source ranks of the *attention* group (``_build_fa_remote``). A model
@@ -11,13 +12,16 @@ attention; everything else is vLLM's pull connector unchanged.
    HTTP 500 (measured on vLLM 0.32). The Mamba groups read from the same prefill
    ranks, so for such a model the first group stands in for the missing attention
    group while vLLM builds the remote descriptors; nothing else changes. Hybrid
-   models take vLLM's path untouched.
+   models take vLLM's path untouched. This override reaches into vLLM internals,
+   so it is applied only on the vLLM versions it was tested with; on others a
+   model without attention is refused at start with a message saying so.
 2. **Idle progress thread.** When ``HYBRID_PD_NIXL_PROGRESS_DELAY_US`` is set,
    NIXL's progress thread sleeps between polls instead of spinning a core
    (:mod:`connector.nixl_progress`).
+3. **Transfer trace.** When ``HYBRID_PD_NIXL_TRACE_DIR`` is set, every transfer the
+   worker posts is recorded at the NIXL API (:mod:`connector.nixl_trace`).
 
-The overrides reach into vLLM internals, so the module is pinned to the versions
-it was tested with and refuses to load on others.
+Hooks 2 and 3 act on NIXL, not on vLLM, and work with every vLLM we support.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.tp_mapping import _is_att
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 from connector.nixl_progress import DELAY_ENV, throttle_progress_thread
+from connector.nixl_trace import TRACE_ENV, record_transfers
 
 __all__ = ["NixlConnector", "TESTED_VLLM_VERSIONS"]
 
@@ -46,23 +51,16 @@ def _vllm_version() -> str:
     return "unknown"
 
 
-if _vllm_version() not in TESTED_VLLM_VERSIONS:
-    raise RuntimeError(
-        f"connector.nixl_connector was tested with vLLM {sorted(TESTED_VLLM_VERSIONS)}, not {_vllm_version()}: "
-        "check that vLLM's _build_fa_remote still needs it, then add the version"
-    )
-
-
 if os.environ.get(DELAY_ENV):
     throttle_progress_thread(int(os.environ[DELAY_ENV]))
+if os.environ.get(TRACE_ENV):
+    record_transfers(os.environ[TRACE_ENV])
 
 
 class _MambaOnlyWorker(NixlPullConnectorWorker):
     """vLLM's pull worker, able to build remote descriptors without an attention group."""
 
     def _build_fa_remote(self, plan, nixl_agent_meta, block_size_ratio):  # noqa: ANN001, ANN202 - vLLM's signature
-        if any(_is_attention_spec(t) for t in self._group_spec_types):
-            return super()._build_fa_remote(plan, nixl_agent_meta, block_size_ratio)
         real = self._group_spec_types
         self._group_spec_types = (AttentionSpec, *real[1:])  # group 0 (Mamba) gives the source ranks
         try:
@@ -76,5 +74,12 @@ class NixlConnector(NixlPullConnector):
 
     def __init__(self, vllm_config, role, kv_cache_config) -> None:  # noqa: ANN001 - vLLM's signature
         super().__init__(vllm_config, role, kv_cache_config)
-        if self.connector_worker is not None:
-            self.connector_worker.__class__ = _MambaOnlyWorker  # adds a method, no state
+        if self.connector_worker is None or any(_is_attention_spec(t) for t in self.connector_worker._group_spec_types):
+            return
+        if _vllm_version() not in TESTED_VLLM_VERSIONS:
+            raise RuntimeError(
+                f"P/D of a model without attention layers needs connector.nixl_connector's handshake fix, tested "
+                f"with vLLM {sorted(TESTED_VLLM_VERSIONS)}, not {_vllm_version()}: check that vLLM's "
+                "_build_fa_remote still needs it, then add the version"
+            )
+        self.connector_worker.__class__ = _MambaOnlyWorker  # adds a method, no state

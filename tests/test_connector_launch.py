@@ -6,6 +6,7 @@ import pytest
 
 from connector.launch import WorkerSpec, build_launch
 from connector.nixl_progress import DELAY_ENV
+from connector.nixl_trace import TRACE_ENV
 
 
 def _flag(argv, name):
@@ -58,6 +59,20 @@ def test_cpu_uses_loopback_ucx_and_gpu_uses_cuda_ipc_zero_copy():
     gpu = build_launch(_spec("decode", device="cuda")).env
     assert gpu["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "y"
     assert "UCX_TLS" not in gpu, "NIXL cannot create its agent with a restricted UCX_TLS on GPU"
+    assert "UCX_NET_DEVICES" not in gpu, "without RDMA ports UCX keeps choosing its own interfaces"
+
+
+def test_gpu_peers_on_other_hosts_go_over_the_hosts_rdma_ports():
+    gpu = build_launch(_spec("prefill", device="cuda", rdma_devices=("mlx5_0:1", "mlx5_1:1"))).env
+    assert gpu["UCX_NET_DEVICES"] == "mlx5_0:1,mlx5_1:1"
+    assert gpu["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "y", "peers on the same host keep cuda_ipc zero-copy"
+
+
+def test_operator_ucx_net_devices_win_over_the_rule():
+    spec = _spec("decode", device="cuda", rdma_devices=("mlx5_0:1",), ucx_net_devices="mlx5_3:1")
+    assert build_launch(spec).env["UCX_NET_DEVICES"] == "mlx5_3:1"
+    assert build_launch(_spec("decode", ucx_net_devices="eth0")).env["UCX_NET_DEVICES"] == "eth0"
+    assert "UCX_NET_DEVICES" not in build_launch(_spec("colocated", ucx_net_devices="eth0")).env
 
 
 def test_cpu_disables_prefix_caching_and_gpu_keeps_vllm_default():
@@ -103,6 +118,14 @@ def test_cpu_workers_and_attention_free_models_load_our_connector_on_both_roles(
     gpu_hybrid = json.loads(_flag(build_launch(_spec("decode", device="cuda")).argv, "--kv-transfer-config"))
     assert "kv_connector_module_path" not in gpu_hybrid
     assert "--kv-transfer-config" not in build_launch(_spec("colocated", attention_free=True)).argv
+
+
+def test_traced_workers_load_our_connector_and_get_the_trace_folder():
+    launch = build_launch(_spec("decode", device="cuda", nixl_trace_dir="/tmp/trace"))
+    assert json.loads(_flag(launch.argv, "--kv-transfer-config"))["kv_connector_module_path"] == "connector.nixl_connector"
+    assert launch.env[TRACE_ENV] == "/tmp/trace"
+    assert TRACE_ENV not in build_launch(_spec("decode", device="cuda")).env
+    assert TRACE_ENV not in build_launch(_spec("colocated", nixl_trace_dir="/tmp/trace")).env
 
 
 def test_nixl_progress_thread_is_throttled_on_cpu_workers_only():

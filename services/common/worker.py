@@ -23,6 +23,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from connector.launch import Device, Role, WorkerSpec, build_launch
 from connector.plan import is_attention_free
+from connector.topology import rdma_devices
 from services.common.logs import kv
 from services.common.processes import spawn, stop_group
 from services.common.registration import RouterLink, running_requests, worker_identity
@@ -53,6 +54,8 @@ class WorkerSettings(BaseSettings):
     gpu_memory_utilization: float | None = None
     cpu_threads_bind: str | None = None
     kv_lease_s: int | None = None
+    ucx_net_devices: str | None = None
+    nixl_trace_dir: str | None = None
     ready_timeout_s: float = 900.0
     router_url: str | None = None
     advertise_url: str | None = None
@@ -83,6 +86,9 @@ class WorkerSettings(BaseSettings):
             cpu_threads_bind=self.cpu_threads_bind,
             attention_free=is_attention_free(model),
             kv_lease_s=self.kv_lease_s,
+            rdma_devices=rdma_devices() if self.device == "cuda" else (),
+            ucx_net_devices=self.ucx_net_devices,
+            nixl_trace_dir=self.nixl_trace_dir,
             extra_args=tuple(self.vllm_args),
         )
 

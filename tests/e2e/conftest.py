@@ -20,7 +20,13 @@ from services.stack import Stack, StackConfig
 
 
 @pytest.fixture(scope="session")
-def stack(tmp_path_factory) -> Stack:
+def nixl_trace_dir(tmp_path_factory) -> Path:
+    """Where the stack's workers record the NIXL transfers they post (connector/nixl_trace.py)."""
+    return tmp_path_factory.mktemp("nixl-trace")
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory, nixl_trace_dir: Path) -> Stack:
     model, name = resolve_model(os.environ.get("HYBRID_PD_TEST_MODEL"), "hybrid-pd-tiny")
     config = StackConfig(
         model=model,
@@ -31,6 +37,7 @@ def stack(tmp_path_factory) -> Stack:
         # HYBRID_PD_TEST_LOGS keeps the services' logs somewhere that outlives the run.
         log_dir=Path(os.environ["HYBRID_PD_TEST_LOGS"]) if "HYBRID_PD_TEST_LOGS" in os.environ else tmp_path_factory.mktemp("stack-logs"),
         ready_timeout_s=600,
+        worker_args=("--nixl-trace-dir", str(nixl_trace_dir)),
     )
     with Stack(config) as running:
         yield running

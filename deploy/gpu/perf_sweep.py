@@ -1,0 +1,192 @@
+"""GPU load sweep: P/D against colocated, on one GPU and across two, plus the NIXL floor of the same state.
+
+Run on a machine with one or two NVIDIA GPUs and vLLM + NIXL installed:
+
+    python deploy/gpu/perf_sweep.py --out results/ [--layouts one-gpu,two-gpu] [--levels 1,8,32,64]
+
+Starts through ``hybrid-pd``, with the random-weight hybrid of ``pd_check.py``:
+
+- ``one-gpu``: prefill, decode and a colocated server on GPU 0; P/D through one
+  router, the colocated server through another (both paths pay a router);
+- ``two-gpu``: the same prefill (GPU 0) with a decode worker on GPU 1, against two
+  colocated replicas (GPU 0 and GPU 1) behind one router: the same two GPUs either
+  split by phase or as data-parallel replicas.
+
+Prefill and decode workers record the NIXL transfers they post
+(``--nixl-trace-dir``). Per layout: a discarded warm-up level, then ``hybrid-pd
+bench`` at each level (P/D and baseline interleaved, same prompts), with the decode
+workers' own transfer figures for that level (``vllm:nixl_xfer_time_seconds``,
+post time, bytes, descriptors). Then every server stops and
+``benchmarks/nixl_floor.py`` replays the traced transfers with NIXL alone, at 1 and
+at the largest level in flight: on GPU 0, polling completion without pause and every
+1 ms (and GPU 1 pulling from GPU 0 with two GPUs, each side seeing both GPUs or only
+its own, as the workers do), with our UCX rule (``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y``)
+and with UCX's defaults.
+Writes ``summary.json``, each level's bench JSON and the servers' logs to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from deploy.gpu.pd_check import cli, gpu_model, metrics_of, wait_all_ready  # noqa: E402
+from services.common.processes import free_port, spawn, stop_group  # noqa: E402
+from services.default_model import ensure_default_model  # noqa: E402
+
+NAME = "hybrid-gpu"
+SLO_TTFT_MS, SLO_ITL_MS = "500", "20"
+DECODE_METRICS = {
+    "transfers": "vllm:nixl_xfer_time_seconds_count",
+    "xfer_s": "vllm:nixl_xfer_time_seconds_sum",
+    "post_s": "vllm:nixl_post_time_seconds_sum",
+    "bytes": "vllm:nixl_bytes_transferred_sum",
+    "descriptors": "vllm:nixl_num_descriptors_sum",
+}
+ZERO_COPY = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
+
+
+def _servers(layouts: list[str], model_dir: Path, out: Path, device: str) -> tuple[dict[str, dict], dict[str, tuple]]:
+    """{name: {gpu, argv, url}} of the vLLM servers and {router name: (prefill names, decode names)}."""
+    common = ["--model", str(model_dir), "--served-model-name", NAME, "--device", device, "--max-model-len", "4096",
+              "--max-num-seqs", "64"]  # fmt: skip
+    if device == "cuda":
+        common += ["--gpu-memory-utilization", "0.2", "--kv-cache-memory-bytes", str(8 << 30)]
+    wanted = {"prefill": ("prefill", 0), "decode0": ("decode", 0), "colocated0": ("colocated", 0)}
+    if "two-gpu" in layouts:
+        wanted |= {"decode1": ("decode", 1), "colocated1": ("colocated", 1)}
+    servers = {}
+    for name, (role, gpu) in wanted.items():
+        port = free_port()
+        argv = cli(role, *common, "--port", str(port))
+        if role != "colocated":
+            argv += ["--side-channel-port", str(free_port()), "--nixl-trace-dir", str(out / "trace")]
+        servers[name] = {"gpu": gpu, "argv": argv, "url": f"http://127.0.0.1:{port}"}
+    routers = {"one-gpu": (["prefill"], ["decode0"]), "one-gpu-baseline": ([], ["colocated0"])}
+    if "two-gpu" in layouts:
+        routers |= {"two-gpu": (["prefill"], ["decode1"]), "two-gpu-baseline": ([], ["colocated0", "colocated1"])}
+    return servers, routers
+
+
+def _decode_figures(urls: list[str]) -> dict[str, float]:
+    return {key: sum(metrics_of(url, name) for url in urls) for key, name in DECODE_METRICS.items()}
+
+
+def _bench(args: argparse.Namespace, endpoint: str, baseline: str, level: int, prompts: int, seed: int, out: Path | None) -> int:
+    argv = cli("bench", "--endpoint", endpoint, "--baseline", baseline, "--concurrency", str(level),
+               "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--num-prompts", str(prompts),
+               "--slo-ttft-ms", SLO_TTFT_MS, "--slo-itl-ms", SLO_ITL_MS, "--seed", str(seed), "--warmup", "0")  # fmt: skip
+    if out is not None:
+        argv += ["--json", str(out)]
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=900)
+    print(run.stdout[-3000:], run.stderr[-1500:], flush=True)
+    return run.returncode
+
+
+def _level_summary(report_path: Path, figures: dict[str, float]) -> dict:
+    report = json.loads(report_path.read_text())
+    level = report["levels"][0]
+    pick = ("request_throughput", "output_throughput", "goodput", "errors", "ttft_ms", "itl_ms", "e2e_ms")
+    n = max(figures["transfers"], 1)
+    return {
+        "pd": {k: level["endpoint"][k] for k in pick},
+        "baseline": {k: level["baseline"][k] for k in pick},
+        "ttft_p50_ratio": round(level["endpoint"]["ttft_ms"]["p50"] / level["baseline"]["ttft_ms"]["p50"], 3),
+        "vllm_transfers": figures["transfers"],
+        "vllm_xfer_ms_avg": round(figures["xfer_s"] / n * 1e3, 3),
+        "vllm_post_ms_avg": round(figures["post_s"] / n * 1e3, 3),
+        "bytes_per_transfer": round(figures["bytes"] / n),
+        "descriptors_per_transfer": round(figures["descriptors"] / n, 1),
+    }
+
+
+def _floor(trace: Path, out: Path, in_flight: str, case: tuple[str, int, int, bool, int], zero_copy: bool) -> dict:
+    _name, initiator, target, isolate, poll_us = case
+    env = {k: v for k, v in os.environ.items() if k != ZERO_COPY}
+    if zero_copy:
+        env[ZERO_COPY] = "y"
+    argv = [sys.executable, "-m", "benchmarks.nixl_floor", "--trace", str(trace), "--in-flight", in_flight,
+            "--initiator-device", str(initiator), "--target-device", str(target), "--poll-interval-us", str(poll_us),
+            "--json", str(out)]  # fmt: skip
+    if isolate:
+        argv.append("--isolate-devices")
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    print(run.stdout[-2500:], run.stderr[-1500:] if run.returncode else "", flush=True)
+    return json.loads(out.read_text()) if run.returncode == 0 else {"exit_code": run.returncode, "stderr": run.stderr[-1500:]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--layouts", default="one-gpu,two-gpu", help="one-gpu and/or two-gpu (needs 2 GPUs)")
+    ap.add_argument("--levels", default="1,8,32,64", help="concurrency levels")
+    ap.add_argument("--prompts-per-request-in-flight", type=int, default=4, help="prompts per level = this x level (at least 32)")
+    ap.add_argument("--input-len", type=int, default=1000)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a smoke run with the embedded model")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    layouts = args.layouts.split(",")
+    levels = [int(x) for x in args.levels.split(",")]
+    model_dir = gpu_model() if args.device == "cuda" else ensure_default_model()
+    servers, routers = _servers(layouts, model_dir, args.out, args.device)
+    procs, urls = {}, {}
+    started = time.monotonic()
+    for name, server in servers.items():
+        procs[name] = spawn(server["argv"], env={"CUDA_VISIBLE_DEVICES": str(server["gpu"])}, log=args.out / f"{name}.log")
+        urls[name] = server["url"]
+    for name, (prefills, decodes) in routers.items():
+        port = free_port()
+        argv = cli("router", "--port", str(port))
+        argv += [a for p in prefills for a in ("--prefill", urls[p])] + [a for d in decodes for a in ("--decode", urls[d])]
+        procs[name] = spawn(argv, log=args.out / f"router-{name}.log")
+        urls[name] = f"http://127.0.0.1:{port}"
+    summary: dict = {"layouts": {}, "levels": levels, "input_len": args.input_len, "output_len": args.output_len}
+    try:
+        summary["ready_s"] = wait_all_ready(procs, urls, args.out, started, timeout_s=600)
+        for layout in layouts:
+            decode_urls = [urls[d] for d in routers[layout][1]]
+            endpoint, baseline = urls[layout], urls[f"{layout}-baseline"]
+            _bench(args, endpoint, baseline, max(levels), 2 * max(levels), seed=1000, out=None)  # warm-up, discarded
+            results = {}
+            for level in levels:
+                before = _decode_figures(decode_urls)
+                report = args.out / f"{layout}-c{level}.json"
+                code = _bench(args, endpoint, baseline, level, max(32, args.prompts_per_request_in_flight * level), level, report)
+                time.sleep(11)  # vLLM publishes NIXL stats once per logging interval
+                after = _decode_figures(decode_urls)
+                results[level] = {"bench_exit_code": code, **_level_summary(report, {k: after[k] - before[k] for k in after})}
+                print(layout, level, json.dumps({k: v for k, v in results[level].items() if k not in ("pd", "baseline")}), flush=True)
+            summary["layouts"][layout] = results
+    finally:
+        for proc in procs.values():
+            stop_group(proc, grace_s=10)
+        (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
+
+    in_flight = f"1,{max(levels)}"
+    # (name, initiator GPU, target GPU, each side sees only its GPU as the workers do, completion polled every N us)
+    cases = [("same-gpu", 0, 0, False, 0), ("same-gpu-polled-1ms", 0, 0, False, 1000)]
+    if "two-gpu" in layouts:
+        cases += [("gpu1-pulls-from-gpu0", 1, 0, False, 0), ("gpu1-pulls-from-gpu0-isolated", 1, 0, True, 0)]
+    summary["floor"] = {
+        f"{case[0]}/{'zero-copy' if zc else 'ucx-default'}": _floor(
+            args.out / "trace", args.out / f"floor-{case[0]}-{'zcopy' if zc else 'default'}.json", in_flight, case, zc
+        )
+        for case in cases
+        for zc in (True, False)
+    }
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(json.dumps({k: v for k, v in summary.items() if k != "layouts"}, indent=1)[:6000], flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
