@@ -12,6 +12,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Literal
 
+from connector.nixl_merge import MERGE_ENV
 from connector.nixl_progress import DELAY_ENV
 from connector.nixl_trace import TRACE_ENV
 
@@ -62,6 +63,7 @@ class WorkerSpec:
     rdma_devices: tuple[str, ...] = ()  # active RDMA ports on this host (connector.topology.rdma_devices)
     ucx_net_devices: str | None = None  # UCX_NET_DEVICES chosen by the operator: overrides the rule
     nixl_trace_dir: str | None = None  # record every NIXL transfer here (connector/nixl_trace.py)
+    merge_descriptors: bool = True  # post adjacent reads as one NIXL descriptor (connector/nixl_merge.py)
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
@@ -92,8 +94,8 @@ def kv_transfer_config(spec: WorkerSpec) -> dict | None:
 
     On CPU the KV cache lives in host memory, so NIXL registers and reads host
     buffers (``kv_buffer_device=cpu``); on GPU it reads device memory directly.
-    CPU workers, models without attention layers and traced workers load our
-    connector (``connector/nixl_connector.py``): vLLM's, plus the fixes and hooks they need.
+    Every prefill and decode worker loads our connector (``connector/nixl_connector.py``):
+    vLLM's own, plus the fixes and NIXL hooks the environment switches on.
     """
     role = kv_role(spec.role)
     if role is None:
@@ -103,8 +105,7 @@ def kv_transfer_config(spec: WorkerSpec) -> dict | None:
         "kv_role": role,
         "kv_buffer_device": "cpu" if spec.device == "cpu" else "cuda",
     }
-    if spec.attention_free or spec.device == "cpu" or spec.nixl_trace_dir:
-        config["kv_connector_module_path"] = "connector.nixl_connector"
+    config["kv_connector_module_path"] = "connector.nixl_connector"
     if spec.role == "decode":
         # A failed or expired pull (prefill restarted, lease ran out, first handshake timed
         # out) recomputes the prompt locally instead of failing the request (vLLM: "fail").
@@ -174,6 +175,19 @@ def nixl_progress_env(spec: WorkerSpec) -> dict[str, str]:
     if spec.role == "colocated" or spec.device != "cpu":
         return {}
     return {DELAY_ENV: str(CPU_NIXL_PROGRESS_DELAY_US)}
+
+
+def nixl_merge_env(spec: WorkerSpec) -> dict[str, str]:
+    """Post reads that are adjacent on both sides as one descriptor: the same bytes, fewer NIXL posts.
+
+    A Mamba layer's block is four adjacent reads (x, B, C, SSM); NIXL spends ~6 us of CPU
+    per descriptor posting on a GPU, in the decode engine's step (measured:
+    ``benchmarks/nixl_floor.py``, docs/performance.md). ``spec.merge_descriptors=False``
+    posts exactly what vLLM builds.
+    """
+    if spec.role == "colocated" or not spec.merge_descriptors:
+        return {}
+    return {MERGE_ENV: "1"}
 
 
 def nixl_trace_env(spec: WorkerSpec) -> dict[str, str]:
@@ -267,6 +281,7 @@ def build_launch(spec: WorkerSpec) -> Launch:
         **side_channel_env(spec),
         **ucx_env(spec),
         **nixl_progress_env(spec),
+        **nixl_merge_env(spec),
         **nixl_trace_env(spec),
         **device_env(spec),
         "VLLM_NO_USAGE_STATS": "1",

@@ -1,9 +1,8 @@
 """The NixlConnector our workers load into vLLM: vLLM's own, plus our fixes and hooks.
 
 vLLM loads it through ``kv_connector_module_path=connector.nixl_connector`` (see
-:func:`connector.launch.kv_transfer_config`) on CPU workers, for models without
-attention and on workers that trace their transfers; everything else is vLLM's
-pull connector unchanged.
+:func:`connector.launch.kv_transfer_config`) on every prefill and decode worker;
+it is vLLM's pull connector, with the fixes and hooks below switched on per worker.
 
 1. **Pure-Mamba handshake.** vLLM's NIXL worker sizes the reads of every KV region
    by the source ranks of the *attention* group (``_build_fa_remote``). A model
@@ -18,10 +17,13 @@ pull connector unchanged.
 2. **Idle progress thread.** When ``HYBRID_PD_NIXL_PROGRESS_DELAY_US`` is set,
    NIXL's progress thread sleeps between polls instead of spinning a core
    (:mod:`connector.nixl_progress`).
-3. **Transfer trace.** When ``HYBRID_PD_NIXL_TRACE_DIR`` is set, every transfer the
+3. **Fewer descriptors.** When ``HYBRID_PD_NIXL_MERGE_DESCRIPTORS`` is set, reads that
+   are adjacent on both sides (a Mamba layer's x, B, C and SSM state) are posted as
+   one descriptor (:mod:`connector.nixl_merge`).
+4. **Transfer trace.** When ``HYBRID_PD_NIXL_TRACE_DIR`` is set, every transfer the
    worker posts is recorded at the NIXL API (:mod:`connector.nixl_trace`).
 
-Hooks 2 and 3 act on NIXL, not on vLLM, and work with every vLLM we support.
+Hooks 2-4 act on NIXL, not on vLLM, and work with every vLLM we support.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPu
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.tp_mapping import _is_attention_spec
 from vllm.v1.kv_cache_interface import AttentionSpec
 
+from connector.nixl_merge import MERGE_ENV, merge_adjacent_descriptors
 from connector.nixl_progress import DELAY_ENV, throttle_progress_thread
 from connector.nixl_trace import TRACE_ENV, record_transfers
 
@@ -53,7 +56,9 @@ def _vllm_version() -> str:
 
 if os.environ.get(DELAY_ENV):
     throttle_progress_thread(int(os.environ[DELAY_ENV]))
-if os.environ.get(TRACE_ENV):
+if os.environ.get(MERGE_ENV):
+    merge_adjacent_descriptors()
+if os.environ.get(TRACE_ENV):  # outermost, so the trace holds what vLLM posts, before any merge
     record_transfers(os.environ[TRACE_ENV])
 
 

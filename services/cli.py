@@ -43,6 +43,8 @@ def _worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ready-timeout-s", type=float)
     p.add_argument("--kv-lease-s", type=int, help="prefill: seconds to hold state nobody pulled (vLLM: 30)")
     p.add_argument("--ucx-net-devices", help="UCX_NET_DEVICES for state transfer (default: the host's active RDMA ports on GPU)")
+    p.add_argument("--merge-descriptors", action=argparse.BooleanOptionalAction,
+                   help="post NIXL reads that are adjacent on both sides as one descriptor (default: on)")
     p.add_argument("--nixl-trace-dir", help="record every NIXL transfer into this folder (benchmarks/nixl_floor.py replays it)")
     p.add_argument("--router-url", help="register with this router (admin API) and heartbeat")
     p.add_argument("--advertise-url", help="the URL the router reaches this worker's vLLM server at")

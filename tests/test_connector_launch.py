@@ -5,6 +5,7 @@ import json
 import pytest
 
 from connector.launch import WorkerSpec, build_launch
+from connector.nixl_merge import MERGE_ENV
 from connector.nixl_progress import DELAY_ENV
 from connector.nixl_trace import TRACE_ENV
 
@@ -109,20 +110,25 @@ def test_auto_dtype_is_float32_on_cpu_only():
     assert _flag(build_launch(_spec("decode", device="cuda")).argv, "--dtype") == "auto"
 
 
-def test_cpu_workers_and_attention_free_models_load_our_connector_on_both_roles():
+def test_every_prefill_and_decode_worker_loads_our_connector():
     for role in ("prefill", "decode"):
-        for spec in (_spec(role), _spec(role, device="cuda", attention_free=True)):
+        for spec in (_spec(role), _spec(role, device="cuda"), _spec(role, device="cuda", attention_free=True)):
             config = json.loads(_flag(build_launch(spec).argv, "--kv-transfer-config"))
             assert config["kv_connector_module_path"] == "connector.nixl_connector"
             assert config["kv_connector"] == "NixlConnector"
-    gpu_hybrid = json.loads(_flag(build_launch(_spec("decode", device="cuda")).argv, "--kv-transfer-config"))
-    assert "kv_connector_module_path" not in gpu_hybrid
     assert "--kv-transfer-config" not in build_launch(_spec("colocated", attention_free=True)).argv
 
 
-def test_traced_workers_load_our_connector_and_get_the_trace_folder():
+def test_adjacent_descriptors_are_merged_unless_turned_off():
+    for device in ("cpu", "cuda"):
+        assert build_launch(_spec("decode", device=device)).env[MERGE_ENV] == "1"
+        assert build_launch(_spec("prefill", device=device)).env[MERGE_ENV] == "1"
+    assert MERGE_ENV not in build_launch(_spec("decode", merge_descriptors=False)).env
+    assert MERGE_ENV not in build_launch(_spec("colocated")).env
+
+
+def test_traced_workers_get_the_trace_folder():
     launch = build_launch(_spec("decode", device="cuda", nixl_trace_dir="/tmp/trace"))
-    assert json.loads(_flag(launch.argv, "--kv-transfer-config"))["kv_connector_module_path"] == "connector.nixl_connector"
     assert launch.env[TRACE_ENV] == "/tmp/trace"
     assert TRACE_ENV not in build_launch(_spec("decode", device="cuda")).env
     assert TRACE_ENV not in build_launch(_spec("colocated", nixl_trace_dir="/tmp/trace")).env

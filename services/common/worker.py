@@ -56,6 +56,7 @@ class WorkerSettings(BaseSettings):
     kv_lease_s: int | None = None
     ucx_net_devices: str | None = None
     nixl_trace_dir: str | None = None
+    merge_descriptors: bool = True
     ready_timeout_s: float = 900.0
     router_url: str | None = None
     advertise_url: str | None = None
@@ -89,6 +90,7 @@ class WorkerSettings(BaseSettings):
             rdma_devices=rdma_devices() if self.device == "cuda" else (),
             ucx_net_devices=self.ucx_net_devices,
             nixl_trace_dir=self.nixl_trace_dir,
+            merge_descriptors=self.merge_descriptors,
             extra_args=tuple(self.vllm_args),
         )
 

@@ -13,7 +13,7 @@ from connector.nixl_trace import load_trace
 from tests.e2e.conftest import metric, settled, wait_for
 
 
-def _traced(folder: Path) -> tuple[int, int, int]:
+def traced(folder: Path) -> tuple[int, int, int]:
     """(transfers, descriptors, bytes) the trace holds so far."""
     xfers = [json.loads(line) for path in folder.glob("nixl-*.jsonl") for line in path.read_text().splitlines()]
     xfers = [e for e in xfers if e["event"] == "xfer"]
@@ -23,7 +23,7 @@ def _traced(folder: Path) -> tuple[int, int, int]:
 def test_trace_holds_every_descriptor_vllm_posted_and_replays(prefill_worker, decode_worker, stack, nixl_trace_dir):
     names = ("vllm:nixl_bytes_transferred_count", "vllm:nixl_bytes_transferred_sum", "vllm:nixl_num_descriptors_sum")
     before = [metric(decode_worker, n) for n in names]
-    traced_before = _traced(nixl_trace_dir)
+    traced_before = traced(nixl_trace_dir)
     for tokens in (40, 300):
         body = {"model": stack.config.served_model_name, "prompt": [7 + (i * 13) % 200 for i in range(tokens)], "max_tokens": 1}
         prefill = prefill_worker.post("/v1/completions", json={**body, "kv_transfer_params": {"do_remote_decode": True}}).json()
@@ -32,10 +32,10 @@ def test_trace_holds_every_descriptor_vllm_posted_and_replays(prefill_worker, de
     assert wait_for(lambda: metric(decode_worker, names[0]) >= before[0] + 2, timeout_s=15)
     settled(lambda: metric(decode_worker, names[0]))
     transfers, moved, merged = (metric(decode_worker, n) - b for n, b in zip(names, before, strict=True))
-    traced = [after - b for after, b in zip(_traced(nixl_trace_dir), traced_before, strict=True)]
-    assert transfers == traced[0] == 2
-    assert moved == traced[2], "the trace's descriptors add up to the bytes vLLM reports"
-    assert traced[1] >= merged > 0, "NIXL may merge adjacent posted descriptors, never split them"
+    seen = [after - b for after, b in zip(traced(nixl_trace_dir), traced_before, strict=True)]
+    assert transfers == seen[0] == 2
+    assert moved == seen[2], "the trace's descriptors add up to the bytes vLLM reports"
+    assert seen[1] > merged > 0, "our merge (connector/nixl_merge.py) posts fewer descriptors than vLLM built"
 
     trace = load_trace(nixl_trace_dir)
     assert trace.mem_type == "DRAM" and trace.op == "READ"
