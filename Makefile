@@ -15,7 +15,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[cpu,model,test]'
+	$(PY) -m pip install -q -e '.[cpu,model,test,bench]'
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton
 	$(PY) -c "import vllm, nixl, transformers, services.cli"
 	touch $(STAMP)

@@ -1,6 +1,7 @@
 """The parsing and comparison logic of deploy/gpu/pd_check.py (the GPU run itself needs an NVIDIA GPU)."""
 
 import importlib.util
+import sys
 from pathlib import Path
 
 _spec = importlib.util.spec_from_file_location("pd_check", Path(__file__).parents[1] / "deploy" / "gpu" / "pd_check.py")
@@ -40,3 +41,16 @@ def test_compare_reports_first_divergence_and_the_near_tie_there():
 def test_compare_identical():
     same = _choice([1, 2], [-0.1, -0.2], [{}, {}])
     assert pd_check.compare(same, same)["first_divergence"] is None
+
+
+def test_sweep_plots_each_layout_from_its_summary(tmp_path):
+    spec = importlib.util.spec_from_file_location("perf_sweep", Path(__file__).parents[1] / "deploy" / "gpu" / "perf_sweep.py")
+    perf_sweep = importlib.util.module_from_spec(spec)
+    sys.modules["perf_sweep"] = perf_sweep  # its dataclasses look their module up
+    spec.loader.exec_module(perf_sweep)
+    dist = {"count": 10, "mean": 5.0, "p50": 4.0, "p90": 6.0, "p99": 9.0}
+    level = {"pd": {k: dist for k in ("ttft_ms", "itl_ms", "e2e_ms")}, "baseline": {k: dist for k in ("ttft_ms", "itl_ms", "e2e_ms")}}
+    summary = {"input_len": 1000, "output_len": 64, "layouts": {"one-gpu": {"1": level, "8": level}, "two-gpu": {"1": level}}}
+    written = perf_sweep.plot_summary(summary, tmp_path)
+    assert [p.name for p in written] == ["sweep-one-gpu.png", "sweep-two-gpu.png"]
+    assert all(p.read_bytes().startswith(b"\x89PNG") for p in written)

@@ -22,7 +22,8 @@ at the largest level in flight: on GPU 0, polling completion without pause and e
 1 ms (and GPU 1 pulling from GPU 0 with two GPUs, each side seeing both GPUs or only
 its own, as the workers do), with our UCX rule (``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y``)
 and with UCX's defaults.
-Writes ``summary.json``, each level's bench JSON and the servers' logs to ``--out``.
+Writes ``summary.json``, each level's bench JSON and the servers' logs to ``--out``, and
+``sweep-<layout>.png`` when matplotlib is installed (``--plot-from summary.json`` redraws them).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -40,6 +42,8 @@ sys.path.insert(0, str(REPO))
 
 from deploy.gpu.pd_check import cli, gpu_model, metrics_of, wait_all_ready  # noqa: E402
 from services.common.processes import free_port, spawn, stop_group  # noqa: E402
+from services.bench.plot import PlotUnavailable, plot_series  # noqa: E402
+from services.bench.stats import Distribution  # noqa: E402
 from services.default_model import ensure_default_model  # noqa: E402
 
 NAME = "hybrid-gpu"
@@ -123,6 +127,30 @@ def _floor(trace: Path, out: Path, in_flight: str, case: tuple[str, int, int, bo
     return json.loads(out.read_text()) if run.returncode == 0 else {"exit_code": run.returncode, "stderr": run.stderr[-1500:]}
 
 
+@dataclass(frozen=True)
+class _Latencies:
+    ttft: Distribution
+    itl: Distribution
+    e2e: Distribution
+
+
+def plot_summary(summary: dict, out: Path) -> list[Path]:
+    """``sweep-<layout>.png`` per layout: TTFT, ITL and E2E (p50, p99) against concurrency, P/D and baseline."""
+    def dist(d: dict) -> Distribution:
+        return Distribution(count=d["count"], mean=d["mean"] / 1e3, p50=d["p50"] / 1e3, p90=d["p90"] / 1e3, p99=d["p99"] / 1e3)
+
+    written = []
+    for layout, levels in summary["layouts"].items():
+        series = {
+            label: [(float(c), _Latencies(*(dist(r[key][f]) for f in ("ttft_ms", "itl_ms", "e2e_ms")))) for c, r in levels.items()]
+            for key, label in (("pd", "P/D"), ("baseline", "colocated" if layout == "one-gpu" else "2 colocated"))
+        }
+        title = f"{layout}: {summary['input_len']} in / {summary['output_len']} out tokens"
+        plot_series(series, "concurrency", title, out / f"sweep-{layout}.png")
+        written.append(out / f"sweep-{layout}.png")
+    return written
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
@@ -131,9 +159,13 @@ def main() -> int:
     ap.add_argument("--prompts-per-request-in-flight", type=int, default=4, help="prompts per level = this x level (at least 32)")
     ap.add_argument("--input-len", type=int, default=1000)
     ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--plot-from", type=Path, metavar="SUMMARY", help="only draw the plots of an earlier run's summary.json into --out")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a smoke run with the embedded model")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.plot_from:
+        print(*plot_summary(json.loads(args.plot_from.read_text()), args.out), sep="\n")
+        return 0
     layouts = args.layouts.split(",")
     levels = [int(x) for x in args.levels.split(",")]
     model_dir = gpu_model() if args.device == "cuda" else ensure_default_model()
@@ -185,6 +217,10 @@ def main() -> int:
     }
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps({k: v for k, v in summary.items() if k != "layouts"}, indent=1)[:6000], flush=True)
+    try:
+        plot_summary(summary, args.out)
+    except PlotUnavailable as exc:
+        print(exc, flush=True)
     return 0
 
 
