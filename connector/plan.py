@@ -152,7 +152,7 @@ def plan_transfer(
     else:
         ratio = prefill_tp // decode_tp
         sources = {r: list(range(r * ratio, (r + 1) * ratio)) for r in range(decode_tp)}
-    # x, B, C, SSM per Mamba layer; one K+V page per block (vLLM merges adjacent blocks: fewer reads then)
+    # x, B, C, SSM per Mamba layer; one K+V page per block (adjacent blocks may go as one descriptor: fewer reads then)
     per_source_reads = shape.mamba_layers * 4 + shape.attention_layers * blocks
     return TransferPlan(
         prompt_tokens=prompt_tokens,
