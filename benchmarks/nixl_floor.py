@@ -45,7 +45,6 @@ from connector.nixl_trace import Descriptor, Trace, load_trace  # noqa: E402
 
 __all__ = ["FloorResult", "Replay", "measure_floor"]
 
-VARIANTS = ("as-posted", "coalesced", "one-descriptor")
 NIXL_THREADS = 4  # vLLM's default num_threads for the UCX backend
 
 
@@ -91,14 +90,19 @@ def _coalesced(trace: Trace) -> tuple[tuple[Descriptor, ...], ...]:
     return tuple(merged_transfers)
 
 
-def _variant(trace: Trace, name: str) -> tuple[tuple[Descriptor, ...], ...]:
-    return {"as-posted": lambda: trace.transfers, "coalesced": lambda: _coalesced(trace), "one-descriptor": lambda: _one_descriptor(trace)}[name]()
-
-
 def _one_descriptor(trace: Trace) -> tuple[tuple[Descriptor, ...], ...]:
     """Each transfer's bytes as one descriptor, in an extra region after the traced ones on both sides."""
     local, remote = len(trace.local_region_bytes), len(trace.remote_region_bytes)
     return tuple((Descriptor(local, 0, remote, 0, sum(d.length for d in t)),) for t in trace.transfers)
+
+
+_VARIANTS = {"as-posted": lambda trace: trace.transfers, "coalesced": _coalesced, "one-descriptor": _one_descriptor}
+VARIANTS = tuple(_VARIANTS)
+
+
+def _region_sizes(region_bytes: tuple[int, ...], trace: Trace) -> list[int]:
+    """The traced regions' touched sizes, plus one region that holds a whole transfer as one descriptor."""
+    return list(region_bytes) + [max(sum(d.length for d in t) for t in trace.transfers)]
 
 
 def _allocate(mem_type: str, device: int, sizes: list[int]) -> tuple[list, list[tuple[int, int, int]]]:
@@ -118,8 +122,7 @@ def _agent(name: str):  # noqa: ANN202 - NIXL's class
 
 def _target(trace: Trace, device: int, conn) -> None:  # noqa: ANN001 - a multiprocessing connection
     """Hold the state to be pulled until the initiator is done."""
-    sizes = list(trace.remote_region_bytes) + [max(sum(d.length for d in t) for t in trace.transfers)]
-    buffers, regions = _allocate(trace.mem_type, device, sizes)
+    buffers, regions = _allocate(trace.mem_type, device, _region_sizes(trace.remote_region_bytes, trace))
     agent = _agent("floor-target")
     agent.register_memory(agent.get_reg_descs([(*r, "") for r in regions], trace.mem_type))
     conn.send((agent.get_agent_metadata(), [r[0] for r in regions]))
@@ -171,8 +174,7 @@ def _measure(agent, trace: Trace, transfers, local_base, remote_base, dev_l, dev
 
 def _initiator(trace: Trace, device: int, target_device: int, plan: Replay, conn) -> None:  # noqa: ANN001
     meta, remote_base = conn.recv()
-    sizes = list(trace.local_region_bytes) + [max(sum(d.length for d in t) for t in trace.transfers)]
-    buffers, regions = _allocate(trace.mem_type, device, sizes)
+    buffers, regions = _allocate(trace.mem_type, device, _region_sizes(trace.local_region_bytes, trace))
     agent = _agent("floor-initiator")
     agent.register_memory(agent.get_reg_descs([(*r, "") for r in regions], trace.mem_type))
     peer = agent.add_remote_agent(meta)
@@ -180,8 +182,8 @@ def _initiator(trace: Trace, device: int, target_device: int, plan: Replay, conn
     dev_l = regions[0][2]
     dev_r = 0 if trace.mem_type == "DRAM" else target_device
     results = []
-    for variant in VARIANTS:
-        transfers = _variant(trace, variant)
+    for variant, build in _VARIANTS.items():
+        transfers = build(trace)
         for k in plan.in_flight:
             walls, nixl_us, post_us, batches = _measure(
                 agent, trace, transfers, local_base, remote_base, dev_l, dev_r, peer, k, plan.repeats, plan.poll_interval_us / 1e6

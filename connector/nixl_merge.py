@@ -113,7 +113,7 @@ def merge_adjacent_descriptors() -> type:
         return out
 
     def prep_xfer_dlist(self, agent_name: str, xfer_list: Any, mem_type: str | None = None, backends: list[str] = []) -> Any:  # noqa: B006 - NIXL's signature
-        known = lists.get(id(xfer_list))
+        known = lists.pop(id(xfer_list), None)  # vLLM prepares each list it builds once
         tuples, kind = (known[1], known[2]) if known else (descriptor_tuples(xfer_list), mem_type)
         runs = adjacent_runs(tuples) if tuples and kind else []
         if not runs:
