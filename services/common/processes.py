@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -24,11 +25,40 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         pass
 
 
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_LOWEST_PORT = 10000
+_handed_out: set[int] = set()
+
+
+def _ephemeral_ports() -> range:
+    """The ports the kernel hands out on its own (outgoing connections, binds to port 0)."""
+    try:
+        low, high = (int(x) for x in _EPHEMERAL_RANGE.read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999  # Linux's default
+    return range(low, high + 1)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free right now (the kernel picks it, so parallel callers differ)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    """A TCP port that is free right now, outside the kernel's ephemeral range, not handed out before.
+
+    A port picked by binding to port 0 comes from the ephemeral range, where any process's
+    next outgoing connection or port-0 bind (vLLM's and UCX's own sockets included) may take
+    it before the service it is meant for binds it: seen as a NIXL side-channel listener
+    dying with "Address already in use". Ports below that range are only ever taken on
+    purpose, and each call in a process returns a different one.
+    """
+    ephemeral = _ephemeral_ports()
+    candidates = [p for p in range(_LOWEST_PORT, 65536) if p not in ephemeral and p not in _handed_out]
+    for port in random.sample(candidates, min(200, len(candidates))):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise OSError(f"no free TCP port on {host} outside the ephemeral range {ephemeral.start}-{ephemeral.stop - 1}")
 
 
 def spawn(argv: list[str], env: dict[str, str] | None = None, log: IO[bytes] | Path | int | None = None) -> subprocess.Popen:

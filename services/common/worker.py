@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import logging
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -111,12 +112,32 @@ def wait_http_ok(url: str, alive: callable, timeout_s: float) -> bool:
     return False
 
 
-def _relay(stream, tail: collections.deque[str]) -> None:
+# vLLM lines after which it will never become ready, though its process lives on: the NIXL
+# side-channel listener is a thread; when it dies (its port taken), the engine waits for it forever.
+_FATAL_LINES = ("Exception in thread nixl_handshake_listener",)
+
+
+def _relay(stream, tail: collections.deque[str], fatal: threading.Event) -> None:
+    """Copy vLLM's output to ours, keep its tail, and set ``fatal`` on a line vLLM cannot recover from."""
     for raw in iter(stream.readline, b""):
         line = raw.decode(errors="replace")
         tail.append(line.rstrip("\n"))
+        if line.startswith(_FATAL_LINES):
+            fatal.set()
         sys.stdout.write(line)
         sys.stdout.flush()
+
+
+def _side_channel_in_use(spec: WorkerSpec) -> str | None:
+    """Why vLLM could not listen on the NIXL side-channel port, or None when it can (checked before starting it)."""
+    if spec.role == "colocated":
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((spec.side_channel_host, spec.side_channel_port))
+        except OSError as exc:
+            return f"NIXL side channel {spec.side_channel_host}:{spec.side_channel_port}: {exc.strerror or exc}"
+    return None
 
 
 def _why_it_failed(tail: collections.deque[str], limit: int = 8) -> str:
@@ -146,11 +167,15 @@ def run_worker(role: Role, settings: WorkerSettings) -> int:
     """Run one vLLM server for ``role`` until it exits or we are told to stop; return the exit code."""
     spec = settings.spec(role)
     launch = build_launch(spec)
+    if (taken := _side_channel_in_use(spec)) is not None:
+        log.error("cannot start vLLM: %s; give each worker on a host its own --side-channel-port", taken)
+        return 2
     log.info("starting vLLM %s", kv(role=role, port=settings.port, side_channel=settings.side_channel_port))
     log.info("vLLM command: %s", " ".join(launch.argv))
     proc = spawn(launch.argv, launch.env, log=subprocess.PIPE)
     tail: collections.deque[str] = collections.deque(maxlen=400)
-    relay = threading.Thread(target=_relay, args=(proc.stdout, tail), daemon=True)
+    fatal = threading.Event()
+    relay = threading.Thread(target=_relay, args=(proc.stdout, tail, fatal), daemon=True)
     relay.start()
 
     stopping = threading.Event()
@@ -163,7 +188,7 @@ def run_worker(role: Role, settings: WorkerSettings) -> int:
 
     vllm_url = f"http://{settings.host}:{settings.port}"
     link: RouterLink | None = None
-    if wait_http_ok(vllm_url + "/health", lambda: proc.poll() is None and not stopping.is_set(), settings.ready_timeout_s):
+    if wait_http_ok(vllm_url + "/health", lambda: proc.poll() is None and not stopping.is_set() and not fatal.is_set(), settings.ready_timeout_s):
         log.info("ready %s", kv(role=role, url=vllm_url))
         if settings.router_url and role != "colocated":
             identity = worker_identity(spec, launch, vllm_url)
@@ -174,7 +199,12 @@ def run_worker(role: Role, settings: WorkerSettings) -> int:
     elif not stopping.is_set():
         stop_group(proc)
         relay.join(timeout=5)
-        reason = "exited" if proc.returncode not in (None, -signal.SIGTERM) else "did not become ready"
+        if fatal.is_set():
+            reason = "failed and will not become ready"
+        elif proc.returncode not in (None, -signal.SIGTERM):
+            reason = "exited"
+        else:
+            reason = "did not become ready"
         log.error("vLLM %s (%s):\n%s", reason, kv(role=role, code=proc.returncode), _why_it_failed(tail))
         return proc.returncode or 1
 

@@ -1,0 +1,54 @@
+"""A worker that cannot start says why at once, instead of waiting out its ready timeout.
+
+vLLM itself is replaced here by a stand-in child (its launch command), so the cases run
+in seconds; tests/e2e/test_worker_start_failure.py starts the real one.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+import services.common.worker as worker
+from connector.launch import Launch
+from services.common.processes import free_port
+from services.common.worker import WorkerSettings, run_worker
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "nemotron_h"}')
+    return tmp_path
+
+
+def test_a_side_channel_port_in_use_is_refused_before_vllm_starts(model_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        port = taken.getsockname()[1]
+        argv = [sys.executable, "-m", "services.cli", "decode", "--model", str(model_dir), "--port", str(free_port()),
+                "--side-channel-port", str(port)]  # fmt: skip
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"127.0.0.1:{port}" in result.stderr and "in use" in result.stderr
+    assert "vLLM command" not in result.stderr, "vLLM was started anyway"
+
+
+def test_a_dead_side_channel_listener_fails_the_worker_at_once(model_dir, monkeypatch, caplog):
+    # What vLLM does when its NIXL listener thread cannot bind: the thread dies, the server never gets ready.
+    stand_in = (
+        "import sys, time\n"
+        "print('Exception in thread nixl_handshake_listener:', flush=True)\n"
+        "print(\"zmq.error.ZMQError: Address already in use (addr='tcp://127.0.0.1:1')\", flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    monkeypatch.setattr(worker, "build_launch", lambda spec: Launch(argv=[sys.executable, "-c", stand_in], env={}))
+    settings = WorkerSettings(model=str(model_dir), port=free_port(), side_channel_port=free_port(), ready_timeout_s=300)
+    started = time.monotonic()
+    code = run_worker("decode", settings)
+    assert code != 0
+    assert time.monotonic() - started < 60, "the worker waited for a server that could never get ready"
+    assert "will not become ready" in caplog.text and "Address already in use" in caplog.text
