@@ -10,12 +10,12 @@ Variants:
 - ``asis``: unchanged.
 - ``plain``: uvicorn on asyncio's loop and h11 (what uvicorn falls back to without uvloop and
   httptools, which the router now declares).
-- ``orjson``: orjson for the request body, the legs' bodies (httpx), the prefill answer,
+- ``orjson``: orjson for the request body, the legs' bodies, the prefill answer,
   usage events and JSON answers.
 
 The ``aiohttp`` (legs through aiohttp) and ``rawrelay`` (decode stream relayed as bytes)
-prototypes became the router's own code (``services/router/upstream.py``, ``_relay_one`` in
-``services/router/app.py``) and left this module.
+prototypes became the router's own code (``services/router/upstream.py``, ``relay_one`` in
+``services/router/relay.py``) and left this module.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ def _orjson() -> None:
     import orjson
     from starlette.responses import JSONResponse
 
-    import services.router.app as app
+    import services.router.jsoncodec as jsoncodec
+    import services.router.relay as relay
 
     class _Json:
         JSONDecodeError = json.JSONDecodeError  # orjson.JSONDecodeError subclasses it
@@ -53,7 +54,8 @@ def _orjson() -> None:
         def dumps(obj: Any, **_: Any) -> str:
             return orjson.dumps(obj).decode()
 
-    app.json = _Json  # type: ignore[assignment]
+    jsoncodec.json = relay.json = _Json  # type: ignore[assignment]
+    jsoncodec.ENCODER.encode = _Json.dumps  # type: ignore[method-assign] - the one encoder every module writes with
     httpx._models.jsonlib = _Json  # type: ignore[attr-defined]
     httpx._content.json_dumps = _Json.dumps  # type: ignore[attr-defined]
     JSONResponse.render = lambda self, content: orjson.dumps(content)  # type: ignore[method-assign]

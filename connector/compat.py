@@ -10,9 +10,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["IncompatibleWorkers", "WorkerIdentity", "check_pair", "check_worker"]
+__all__ = ["CONV_STATE_LAYOUT", "IncompatibleWorkers", "WorkerIdentity", "check_pair", "check_worker"]
 
-REQUIRED_LAYOUT = "DS"
+# The conv-state layout both roles must use. The DS layout, (dim, state_len), is the
+# one vLLM's NIXL connector can transfer for Mamba layers (and split across TP ranks).
+CONV_STATE_LAYOUT = "DS"
 
 
 class IncompatibleWorkers(ValueError):
@@ -52,11 +54,11 @@ class WorkerIdentity:
 
 def check_worker(identity: WorkerIdentity) -> None:
     """Rules one worker must satisfy alone."""
-    if identity.conv_state_layout not in (None, REQUIRED_LAYOUT):
+    if identity.conv_state_layout not in (None, CONV_STATE_LAYOUT):
         raise IncompatibleWorkers(
             "conv_state_layout",
             f"conv_state_layout: {identity.role} worker uses {identity.conv_state_layout!r}; "
-            f"P/D of hybrid models needs VLLM_SSM_CONV_STATE_LAYOUT={REQUIRED_LAYOUT} on both roles",
+            f"P/D of hybrid models needs VLLM_SSM_CONV_STATE_LAYOUT={CONV_STATE_LAYOUT} on both roles",
         )
     if identity.pipeline_parallel_size not in (None, 1):
         raise IncompatibleWorkers(

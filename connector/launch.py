@@ -9,21 +9,18 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
+from connector.compat import CONV_STATE_LAYOUT
 from connector.nixl_merge import MERGE_ENV
 from connector.nixl_progress import DELAY_ENV
 from connector.nixl_trace import TRACE_ENV
 
-__all__ = ["Launch", "Role", "Device", "WorkerSpec", "build_launch", "kv_transfer_config"]
+__all__ = ["Launch", "Role", "Device", "WorkerSpec", "build_launch", "dtype", "kv_transfer_config"]
 
 Role = Literal["prefill", "decode", "colocated"]
 Device = Literal["cpu", "cuda"]
-
-# The conv-state layout both roles must use. The DS layout, (dim, state_len), is the
-# one vLLM's NIXL connector can transfer for Mamba layers (and split across TP ranks).
-CONV_STATE_LAYOUT = "DS"
 
 # NIXL's progress thread on CPU workers: sleep up to this long between polls instead of
 # spinning a core (connector/nixl_progress.py says why).
@@ -38,8 +35,10 @@ DEFAULT_CPU_KV_CACHE_BYTES = 512 * 1024 * 1024
 class WorkerSpec:
     """What a worker is: its role, model, addresses and device.
 
-    ``side_channel_host`` is the address the peer reaches this worker's NIXL
-    side channel on; ``side_channel_port`` must differ between workers on one host.
+    Every field but ``role``, ``seed`` and ``rdma_devices`` is the worker setting of
+    the same name, documented where it is declared (``services/worker/settings.py``,
+    which builds a spec from its values); the defaults here only serve specs built
+    by hand. ``side_channel_port`` must differ between workers on one host.
     """
 
     role: Role
@@ -58,13 +57,12 @@ class WorkerSpec:
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float | None = None
     cpu_threads_bind: str | None = None
-    attention_free: bool = False  # a pure-Mamba model: needs our NIXL connector extension
-    kv_lease_s: int | None = None  # how long a prefill holds state nobody pulled (vLLM default: 30 s)
+    kv_lease_s: int | None = None
     rdma_devices: tuple[str, ...] = ()  # active RDMA ports on this host (connector.topology.rdma_devices)
-    ucx_net_devices: str | None = None  # UCX_NET_DEVICES chosen by the operator: overrides the rule
-    nixl_trace_dir: str | None = None  # record every NIXL transfer here (connector/nixl_trace.py)
-    merge_descriptors: bool = True  # post adjacent reads as one NIXL descriptor (connector/nixl_merge.py)
-    extra_args: tuple[str, ...] = field(default_factory=tuple)
+    ucx_net_devices: str | None = None
+    nixl_trace_dir: str | None = None
+    merge_descriptors: bool = True
+    vllm_args: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.role != "colocated" and self.side_channel_port <= 0:
@@ -275,7 +273,7 @@ def build_launch(spec: WorkerSpec) -> Launch:
     config = kv_transfer_config(spec)
     if config is not None:
         argv += ["--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
-    argv += list(spec.extra_args)
+    argv += list(spec.vllm_args)
     env = {
         **state_layout_env(spec),
         **side_channel_env(spec),

@@ -21,7 +21,7 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = ["ModelShape", "TransferPlan", "is_attention_free", "model_shape", "plan_transfer"]
+__all__ = ["ModelShape", "TransferPlan", "model_shape", "plan_transfer"]
 
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "fp8": 1}
 
@@ -96,15 +96,6 @@ def model_shape(config_path: str | Path) -> ModelShape:
         dtype_bytes=_DTYPE_BYTES.get(dtype.replace("torch.", ""), 4),
         ssm_dtype_bytes=_DTYPE_BYTES.get(ssm_dtype.replace("torch.", ""), 4),
     )
-
-
-def is_attention_free(model_dir: str | Path) -> bool:
-    """True for a Mamba model without attention layers; False when it has some or cannot be read."""
-    try:
-        shape = model_shape(model_dir)
-    except (OSError, ValueError, KeyError):
-        return False
-    return shape.mamba_layers > 0 and shape.attention_layers == 0
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """``hybrid-pd``: one command line for the whole service.
 
 - ``hybrid-pd up``: router + prefill + decode workers on this machine, in the foreground.
-- ``hybrid-pd router|prefill|decode``: one service each (what containers run).
+- ``hybrid-pd router|prefill|decode``: one service each (what containers run);
+  ``hybrid-pd colocated``: a plain vLLM server, the baseline P/D is compared to.
 """
 
 from __future__ import annotations
@@ -16,41 +17,16 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from services.common.logs import configure_logging
 from services.bench.cli import add_bench_parser, run_bench
+from services.common.cli_flags import add_flags, given
+from services.common.logs import configure_logging
 from services.eval.cli import add_eval_parser, run_eval
+from services.worker import ROLES
+from services.worker.settings import WorkerSettings
 
 __all__ = ["main", "build_parser"]
 
 log = logging.getLogger("hybrid_pd.cli")
-
-
-def _worker_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="model directory (default: the embedded tiny hybrid model)")
-    p.add_argument("--served-model-name", help="the model name clients use (default: --model)")
-    p.add_argument("--host", help="HTTP bind address of the vLLM server")
-    p.add_argument("--port", type=int, help="HTTP port of the vLLM server")
-    p.add_argument("--side-channel-host", help="address peers reach this worker's NIXL side channel on")
-    p.add_argument("--side-channel-port", type=int, help="NIXL side-channel port (distinct per worker)")
-    p.add_argument("--device", choices=["cpu", "cuda"])
-    p.add_argument("--tensor-parallel-size", type=int)
-    p.add_argument("--dtype")
-    p.add_argument("--max-model-len", type=int)
-    p.add_argument("--max-num-seqs", type=int)
-    p.add_argument("--kv-cache-memory-bytes", type=int)
-    p.add_argument("--gpu-memory-utilization", type=float)
-    p.add_argument("--cpu-threads-bind", help="VLLM_CPU_OMP_THREADS_BIND for this server (CPU only)")
-    p.add_argument("--ready-timeout-s", type=float)
-    p.add_argument("--kv-lease-s", type=int, help="prefill: seconds to hold state nobody pulled (vLLM: 30)")
-    p.add_argument("--ucx-net-devices", help="UCX_NET_DEVICES for state transfer (default: the host's active RDMA ports on GPU)")
-    p.add_argument("--merge-descriptors", action=argparse.BooleanOptionalAction,
-                   help="post NIXL reads that are adjacent on both sides as one descriptor (default: on)")
-    p.add_argument("--nixl-trace-dir", help="record every NIXL transfer into this folder (benchmarks/nixl_floor.py replays it)")
-    p.add_argument("--router-url", help="register with this router (admin API) and heartbeat")
-    p.add_argument("--advertise-url", help="the URL the router reaches this worker's vLLM server at")
-    p.add_argument("--drain-timeout-s", type=float, help="on SIGTERM, wait this long for in-flight requests")
-    p.add_argument("--vllm-arg", dest="vllm_args", action="append", help="extra vLLM argument (repeatable)")
-    p.add_argument("--dry-run", action="store_true", help="print the vLLM command and environment as JSON and exit")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,9 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--health-interval-s", type=float, help="seconds between worker health checks")
     router.add_argument("--dry-run", action="store_true", help="print the resolved settings as JSON and exit")
 
-    for role in ("prefill", "decode"):
-        _worker_arguments(sub.add_parser(role, help=f"run a {role} worker (vLLM + NIXL connector)"))
-    _worker_arguments(sub.add_parser("colocated", help="run a plain vLLM server (the baseline P/D is compared to)"))
+    for role, summary in ROLES.items():
+        worker = sub.add_parser(role, help=summary)
+        add_flags(worker, WorkerSettings)
+        worker.add_argument("--dry-run", action="store_true", help="print the vLLM command and environment as JSON and exit")
     add_eval_parser(sub)
     add_bench_parser(sub)
 
@@ -102,18 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _given(args: argparse.Namespace, *names: str) -> dict[str, Any]:
-    """CLI values that were given; the rest comes from the environment or defaults."""
-    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
-
-
 def _run_router(args: argparse.Namespace) -> int:
     import uvicorn
 
     from services.router.app import create_app
     from services.router.settings import RouterSettings
 
-    settings = RouterSettings(**_given(args, *RouterSettings.model_fields))
+    settings = RouterSettings(**given(args, RouterSettings))
     if args.dry_run:
         shown = settings.model_dump(mode="json")
         shown["api_keys"] = ["***"] * len(settings.api_keys)
@@ -126,22 +98,16 @@ def _run_router(args: argparse.Namespace) -> int:
 
 
 def _run_worker(args: argparse.Namespace) -> int:
-    from services.common.worker import WorkerSettings, run_worker
-
-    settings = WorkerSettings(**_given(args, *WorkerSettings.model_fields))
+    settings = WorkerSettings(**given(args, WorkerSettings))
     if args.dry_run:
         from connector.launch import build_launch
 
         launch = build_launch(settings.spec(args.command))
         print(json.dumps({"argv": launch.argv, "env": launch.env}))
         return 0
-    if args.command == "prefill":
-        from services.prefill import main as run
-    elif args.command == "decode":
-        from services.decode import main as run
-    else:
-        return run_worker("colocated", settings)
-    return run(settings)
+    from services.worker.run import run_worker
+
+    return run_worker(args.command, settings)
 
 
 def _ready_message(stack: Any, model_name: str) -> str:
@@ -224,7 +190,7 @@ def _run_up(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
-    runners = {"up": _run_up, "router": _run_router, "prefill": _run_worker, "decode": _run_worker, "colocated": _run_worker, "eval": run_eval, "bench": run_bench, "plan": _run_plan}
+    runners = {"up": _run_up, "router": _run_router, **dict.fromkeys(ROLES, _run_worker), "eval": run_eval, "bench": run_bench, "plan": _run_plan}
     try:
         return runners[args.command](args)
     except ValidationError as exc:

@@ -18,8 +18,7 @@ from pathlib import Path
 from subprocess import Popen
 
 from services.common.logs import kv
-from services.common.processes import free_port, spawn, stop_group
-from services.common.worker import wait_http_ok
+from services.common.processes import free_port, spawn, stop_group, wait_http_ok
 
 __all__ = ["Service", "Stack", "StackConfig", "StackError", "watch"]
 

@@ -99,7 +99,7 @@ def test_server_command_addresses_and_model():
 
 
 def test_cpu_thread_binding_and_extra_args_pass_through():
-    launch = build_launch(_spec("decode", cpu_threads_bind="1", extra_args=("--max-num-batched-tokens", "256")))
+    launch = build_launch(_spec("decode", cpu_threads_bind="1", vllm_args=("--max-num-batched-tokens", "256")))
     assert launch.env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
     assert launch.argv[-2:] == ["--max-num-batched-tokens", "256"]
 
@@ -112,11 +112,11 @@ def test_auto_dtype_is_float32_on_cpu_only():
 
 def test_every_prefill_and_decode_worker_loads_our_connector():
     for role in ("prefill", "decode"):
-        for spec in (_spec(role), _spec(role, device="cuda"), _spec(role, device="cuda", attention_free=True)):
+        for spec in (_spec(role), _spec(role, device="cuda")):
             config = json.loads(_flag(build_launch(spec).argv, "--kv-transfer-config"))
             assert config["kv_connector_module_path"] == "connector.nixl_connector"
             assert config["kv_connector"] == "NixlConnector"
-    assert "--kv-transfer-config" not in build_launch(_spec("colocated", attention_free=True)).argv
+    assert "--kv-transfer-config" not in build_launch(_spec("colocated")).argv
 
 
 def test_adjacent_descriptors_are_merged_unless_turned_off():

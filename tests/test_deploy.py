@@ -36,8 +36,9 @@ import deploy_compose as dc  # noqa: E402
 from services import default_model  # noqa: E402
 from services import stack as stack_module  # noqa: E402
 from services.cli import build_parser, main  # noqa: E402
-from services.common.worker import WorkerSettings  # noqa: E402
+from services.common.cli_flags import given  # noqa: E402
 from services.stack import Service, Stack  # noqa: E402
+from services.worker.settings import WorkerSettings  # noqa: E402
 
 ENV_EXAMPLE = dc.ROOT / ".env.example"
 DOCKERIGNORE = dc.ROOT / ".dockerignore"
@@ -481,8 +482,7 @@ def test_multi_node_workers_register_with_the_router_at_their_node_address(dry_r
         for name in p.workers():
             service = p.services[name]
             with container_environment(service_env(service)):
-                args = vars(build_parser().parse_args(service["command"][1:]))
-                settings = WorkerSettings(**{k: v for k, v in args.items() if k in WorkerSettings.model_fields and v is not None})
+                settings = WorkerSettings(**given(build_parser().parse_args(service["command"][1:]), WorkerSettings))
             assert settings.advertise_url == f"http://{settings.side_channel_host}:{settings.port}"
             assert urlsplit(settings.router_url).port == int(router.flags("router")["--port"])
             assert settings.admin_token == token

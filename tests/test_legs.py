@@ -1,6 +1,6 @@
-"""The request rewriting of both legs and the usage merge."""
+"""The request rewriting of both legs (the usage merge: tests/test_router_relay.py)."""
 
-from services.router.legs import PREFILL_KV_TRANSFER_PARAMS, decode_body, merge_usage, prefill_body
+from services.router.legs import PREFILL_KV_TRANSFER_PARAMS, decode_body, prefill_body
 
 
 def test_prefill_leg_is_one_token_not_streamed_and_asks_for_remote_decode():
@@ -51,19 +51,3 @@ def test_decode_leg_without_params_is_the_client_request():
     body = {"model": "m", "prompt": "x"}
     assert decode_body(body, None) == body
 
-
-def test_usage_prompt_from_prefill_completion_from_decode():
-    prefill = {"prompt_tokens": 23, "completion_tokens": 1, "total_tokens": 24, "prompt_tokens_details": {"cached_tokens": 16}}
-    decode = {"prompt_tokens": 23, "completion_tokens": 8, "total_tokens": 31, "prompt_tokens_details": None}
-    assert merge_usage(prefill, decode) == {
-        "prompt_tokens": 23,
-        "completion_tokens": 8,
-        "total_tokens": 31,
-        "prompt_tokens_details": {"cached_tokens": 16},
-    }
-
-
-def test_usage_without_one_side():
-    decode = {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
-    assert merge_usage(None, decode) == decode
-    assert merge_usage({"prompt_tokens": 5}, None) is None

@@ -8,10 +8,7 @@ import json
 import httpx
 import pytest
 
-from services.router.app import create_app
-from services.router.settings import RouterSettings
-from tests.test_router_disconnect import _scope
-from tests.test_router_protocol import DECODE, PREFILL, Workers, client, workers  # noqa: F401 - fixtures
+from tests.router_support import Workers, asgi_client, router_app, scope
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
@@ -36,9 +33,9 @@ async def test_the_other_routes_are_still_served(client):
 
 
 async def test_a_refusal_is_an_openai_error_with_the_request_id_and_is_counted(workers):
-    app = create_app(RouterSettings(prefill=[PREFILL], decode=[DECODE], api_keys=["sk-1"]), transport=httpx.MockTransport(workers))
+    app = router_app(workers, api_keys=["sk-1"])
     async with app.router.lifespan_context(app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as c:
+        async with asgi_client(app) as c:
             r = await c.post("/v1/chat/completions", json={"messages": []}, headers={"X-Request-Id": "req-9", "Authorization": "Bearer no"})
     assert r.status_code == 401 and r.headers["x-request-id"] == "req-9"
     assert r.headers["content-type"] == "application/json" and int(r.headers["content-length"]) == len(r.content)
@@ -48,10 +45,10 @@ async def test_a_refusal_is_an_openai_error_with_the_request_id_and_is_counted(w
 
 
 async def test_the_router_at_its_concurrency_limit_is_429_with_retry_after(workers):
-    app = create_app(RouterSettings(prefill=[PREFILL], decode=[DECODE], max_concurrency=1), transport=httpx.MockTransport(workers))
+    app = router_app(workers, max_concurrency=1)
     async with app.router.lifespan_context(app):
         app.state.router.inflight = 1  # another request is being served
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as c:
+        async with asgi_client(app) as c:
             r = await c.post("/v1/completions", json={"prompt": "x"})
     assert r.status_code == 429 and r.headers["retry-after"] == "1" and "concurrency limit" in r.json()["error"]["message"]
     assert app.state.router.inflight == 1, "a refused request changed the count of requests in flight"
@@ -84,9 +81,9 @@ class _Body:
 
 
 async def _call(workers: Workers, client: _Body) -> object:
-    app = create_app(RouterSettings(prefill=[PREFILL], decode=[DECODE], health_interval_s=3600), transport=httpx.MockTransport(workers))
+    app = router_app(workers, health_interval_s=3600)
     async with app.router.lifespan_context(app):
-        await app(_scope("/v1/completions"), client.receive, client.send)
+        await app(scope("/v1/completions"), client.receive, client.send)
     return app.state.router
 
 
@@ -111,13 +108,13 @@ async def test_an_unexpected_error_is_an_openai_500_and_goes_on_to_the_server(wo
             return httpx.Response(200, content=b"not json")
         return workers(request)
 
-    app = create_app(RouterSettings(prefill=[PREFILL], decode=[DECODE]), transport=httpx.MockTransport(broken_decode))
+    app = router_app(broken_decode)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
         async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
             r = await c.post("/v1/completions", json={"prompt": "x"}, headers={"X-Request-Id": "req-5"})
         with pytest.raises(json.JSONDecodeError):
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as c:
+            async with asgi_client(app) as c:
                 await c.post("/v1/completions", json={"prompt": "x"})
     assert r.status_code == 500 and r.json()["error"]["type"] == "server_error" and r.headers["x-request-id"] == "req-5"
     state = app.state.router

@@ -14,13 +14,9 @@ import httpx
 import pytest
 
 from services.common.openai_errors import OpenAIError
-from services.router.app import create_app
 from services.router.disconnect import cancel_on_disconnect
-from services.router.settings import RouterSettings
+from tests.router_support import KV, router_app, scope
 
-PREFILL = "http://prefill.test:1"
-DECODE = "http://decode.test:2"
-KV = {"do_remote_prefill": True, "remote_block_ids": [[1]], "remote_engine_id": "e1"}
 TOKEN = b'data: {"choices":[{"index":0,"text":" a"}]}\n\n'
 
 
@@ -49,24 +45,6 @@ class _Client:
     @property
     def status(self) -> int | None:
         return next((m["status"] for m in self.messages if m["type"] == "http.response.start"), None)
-
-
-def _scope(path: str) -> dict:
-    # What uvicorn sends, spec version included: it decides how StreamingResponse watches the client.
-    return {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.3"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "root_path": "",
-        "query_string": b"",
-        "headers": [(b"host", b"router"), (b"content-type", b"application/json")],
-        "client": ("127.0.0.1", 50000),
-        "server": ("127.0.0.1", 8000),
-    }
 
 
 class _Decode:
@@ -109,10 +87,10 @@ class _EndlessStream(httpx.AsyncByteStream):
 
 
 async def _serve_until_the_client_leaves(decode: _Decode, body: dict, leave_on: str) -> tuple[_Client, object]:
-    app = create_app(RouterSettings(prefill=[PREFILL], decode=[DECODE], health_interval_s=3600), transport=httpx.MockTransport(decode))
+    app = router_app(decode, health_interval_s=3600)
     client = _Client(body)
     async with app.router.lifespan_context(app):
-        call = asyncio.ensure_future(app(_scope("/v1/completions"), client.receive, client.send))
+        call = asyncio.ensure_future(app(scope("/v1/completions"), client.receive, client.send))
         await asyncio.wait_for((decode.started if leave_on == "decode_started" else client.first_chunk).wait(), 5)
         client.leave.set()
         await _finishes(call)

@@ -1,10 +1,11 @@
-"""Selection policies, request info and the worker registry's pool rules."""
+"""Selection policies, request info, the worker registry's pool rules and the compatibility filter."""
 
 from collections import Counter
 
 import pytest
 
 from connector.compat import IncompatibleWorkers, WorkerIdentity
+from services.router.pairing import compatible_prefills
 from services.router.policies import LeastOutstanding, PowerOfTwo, PrefixAffinity, RequestInfo, RoundRobin, make_policy
 from services.router.registry import Registry, Worker
 
@@ -84,7 +85,7 @@ def test_compatible_prefills_follow_tp_divisibility():
     registry.add(_w("http://p1", role="prefill", tensor_parallel_size=1))
     registry.add(_w("http://p4", role="prefill", tensor_parallel_size=4))
     registry.add(_w("http://p3", role="prefill"))  # unknown TP is not guessed
-    assert {w.url for w in registry.compatible_with(decode)} == {"http://p1", "http://p4", "http://p3"}
+    assert {w.url for w in compatible_prefills(registry, decode)} == {"http://p1", "http://p4", "http://p3"}
     assert registry.get(decode.id) is decode
 
 
@@ -109,16 +110,16 @@ def test_availability_and_pairing_are_read_live_whatever_changed_them():
     registry = Registry(eviction_failures=1)
     decode = registry.add(_w("http://d"))
     prefill = registry.add(_w("http://p", role="prefill"))
-    assert registry.compatible_with(decode) == [prefill]
+    assert compatible_prefills(registry, decode) == [prefill]
     registry.record_health(prefill, ok=False)  # evicted
-    assert registry.compatible_with(decode) == []
+    assert compatible_prefills(registry, decode) == []
     registry.record_health(prefill, ok=True)  # re-admitted
-    assert registry.compatible_with(decode) == [prefill]
+    assert compatible_prefills(registry, decode) == [prefill]
     prefill.draining = True  # the admin API drains a worker in place
-    assert registry.compatible_with(decode) == []
+    assert compatible_prefills(registry, decode) == []
     prefill.draining = False
     prefill.identity = WorkerIdentity(role="prefill", model="another")  # what the health loop learned
-    assert registry.compatible_with(decode) == []
+    assert compatible_prefills(registry, decode) == []
 
 
 def test_eviction_after_consecutive_failures_and_readmission():

@@ -7,75 +7,7 @@ import json
 import httpx
 import pytest
 
-from services.router.app import create_app
-from services.router.settings import RouterSettings
-
-PREFILL = "http://prefill.test:1"
-DECODE = "http://decode.test:2"
-KV = {"do_remote_prefill": True, "remote_block_ids": [[1], [2], [3]], "remote_engine_id": "e1", "remote_num_tokens": 4}
-
-
-class Workers:
-    """A scripted prefill and decode worker that records what they were sent."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, dict, httpx.Headers]] = []
-        self.prefill_response: httpx.Response | Exception = httpx.Response(
-            200,
-            json={
-                "choices": [{"index": 0, "text": "PREFILL-TOKEN"}],
-                "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6, "prompt_tokens_details": {"cached_tokens": 2}},
-                "kv_transfer_params": KV,
-            },
-        )
-        self.decode_stream: list[bytes] | None = None
-        self.decode_breaks = False
-
-    def __call__(self, request: httpx.Request) -> httpx.Response:
-        worker = "prefill" if request.url.host == "prefill.test" else "decode"
-        if request.method == "GET":  # health checks and identity probes
-            if request.url.path == "/v1/models":
-                return httpx.Response(200, json={"object": "list", "data": [{"id": "m", "root": f"/{worker}"}]})
-            return httpx.Response(200, json={"version": "test"} if request.url.path == "/version" else {})
-        body = json.loads(request.content) if request.content else {}
-        self.calls.append((worker, body, request.headers))
-        if worker == "prefill":
-            if isinstance(self.prefill_response, Exception):
-                raise self.prefill_response
-            return self.prefill_response
-        if body.get("stream"):
-            return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=_Stream(self.decode_stream or [], self.decode_breaks))
-        return httpx.Response(
-            200,
-            json={
-                "choices": [{"index": 0, "text": " decoded"}],
-                "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8},
-            },
-        )
-
-
-class _Stream(httpx.AsyncByteStream):
-    def __init__(self, chunks: list[bytes], breaks: bool) -> None:
-        self.chunks, self.breaks = chunks, breaks
-
-    async def __aiter__(self):
-        for chunk in self.chunks:
-            yield chunk
-        if self.breaks:
-            raise httpx.ReadError("connection reset by peer")
-
-
-@pytest.fixture
-def workers() -> Workers:
-    return Workers()
-
-
-@pytest.fixture
-async def client(workers: Workers):
-    app = create_app(RouterSettings(prefill=[PREFILL], decode=[DECODE]), transport=httpx.MockTransport(workers))
-    async with app.router.lifespan_context(app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as c:
-            yield c
+from tests.router_support import DECODE, KV, PREFILL, Workers, asgi_client, router_app
 
 
 async def test_both_legs_share_one_request_id_and_follow_the_pull_protocol(client, workers):
@@ -128,6 +60,7 @@ async def test_prefill_client_error_goes_back_unchanged_and_decode_is_not_called
     r = await client.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": -1})
     assert r.status_code == 400 and r.json() == error
     assert [w for w, _, _ in workers.calls] == ["prefill"]
+    assert [w.inflight for w in client._transport.app.state.router.registry.all()] == [0, 0]
 
 
 @pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b"\xff\xfe"])
@@ -167,9 +100,8 @@ async def test_models_come_from_a_decode_worker(client, workers):
 
 
 async def _router(workers: Workers, **settings):
-    settings = {"prefill": [PREFILL], "decode": [DECODE], **settings}
-    app = create_app(RouterSettings(**settings), transport=httpx.MockTransport(workers))
-    return app, httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router")
+    app = router_app(workers, **settings)
+    return app, asgi_client(app)
 
 
 async def test_api_keys_guard_the_public_endpoints(workers):
@@ -217,9 +149,9 @@ async def test_decode_failing_before_its_first_byte_is_retried_once_on_another_w
             seen.append("decode2")
         return workers(request)
 
-    app = create_app(RouterSettings(prefill=[PREFILL], decode=[DECODE, other], decode_policy="round_robin"), transport=httpx.MockTransport(handler))
+    app = router_app(handler, decode=[DECODE, other], decode_policy="round_robin")
     async with app.router.lifespan_context(app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as c:
+        async with asgi_client(app) as c:
             r = await c.post("/v1/completions", json={"prompt": "x"})
             assert r.status_code == 200 and seen == ["decode", "decode2"]
             assert [w for w, _, _ in workers.calls].count("prefill") == 2, "a new prefill leg for the new decode worker"
@@ -285,10 +217,9 @@ async def test_requests_follow_workers_drained_registered_and_removed_through_th
             decode_hosts.append(request.url.host)
         return workers(request)
 
-    settings = RouterSettings(prefill=[PREFILL], decode=[DECODE, "http://decode2.test:3"], decode_policy="round_robin", admin_token="secret")
-    app = create_app(settings, transport=httpx.MockTransport(handler))
+    app = router_app(handler, decode=[DECODE, "http://decode2.test:3"], decode_policy="round_robin", admin_token="secret")
     async with app.router.lifespan_context(app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as c:
+        async with asgi_client(app) as c:
 
             async def hosts_of_four_requests() -> set[str]:
                 decode_hosts.clear()
@@ -342,3 +273,16 @@ async def test_nan_and_infinity_are_refused_as_invalid_json(client, workers, bod
     r = await client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
     assert workers.calls == []
+
+
+async def test_a_streamed_prompt_list_is_relayed_as_one_answer(client, workers):
+    usage = b'data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":2,"total_tokens":7}}\n\n'
+    workers.decode_stream = [b'data: {"choices":[{"index":0,"text":" a"}]}\n\n', usage, b"data: [DONE]\n\n"]
+    body = {"model": "m", "prompt": ["x", "y"], "stream": True, "stream_options": {"include_usage": True}}
+    r = await client.post("/v1/completions", json=body)
+    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events.count("[DONE]") == 1 and events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert sorted(c["choices"][0]["index"] for c in chunks if c["choices"]) == [0, 1]
+    assert [c["usage"]["total_tokens"] for c in chunks if "usage" in c] == [14]
+    assert [w.inflight for w in client._transport.app.state.router.registry.all()] == [0, 0]

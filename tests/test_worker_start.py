@@ -13,10 +13,11 @@ import time
 
 import pytest
 
-import services.common.worker as worker
+import services.worker.run as worker
 from connector.launch import Launch
 from services.common.processes import free_port
-from services.common.worker import WorkerSettings, run_worker
+from services.worker.run import run_worker
+from services.worker.settings import WorkerSettings
 
 
 @pytest.fixture

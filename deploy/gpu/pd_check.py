@@ -36,9 +36,8 @@ import httpx
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from services.common.processes import free_port, spawn, stop_group  # noqa: E402
+from services.common.processes import free_port, spawn, stop_group, wait_http_ok  # noqa: E402
 from services.common.prom import metric_sum  # noqa: E402
-from services.common.worker import wait_http_ok  # noqa: E402
 
 SHAPE = dict(
     vocab_size=512,

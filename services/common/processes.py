@@ -1,4 +1,4 @@
-"""Child processes that never outlive their parent, and free ports to give them."""
+"""Child processes that never outlive their parent, free ports to give them, and waiting until they answer."""
 
 from __future__ import annotations
 
@@ -9,10 +9,13 @@ import signal
 import socket
 import subprocess
 import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-__all__ = ["free_port", "spawn", "stop_group"]
+__all__ = ["free_port", "spawn", "stop_group", "wait_http_ok"]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -111,3 +114,18 @@ def _group_alive(pgid: int) -> bool:
         return True
     return True
 
+
+def wait_http_ok(url: str, alive: Callable[[], bool], timeout_s: float) -> bool:
+    """Poll ``url`` until it answers 200; False as soon as ``alive()`` is False or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not alive():
+            return False
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return True
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.5)
+    return False

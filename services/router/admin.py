@@ -6,7 +6,7 @@ token the admin API is off (404), so a router is never open to registration by a
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import httpx
 from fastapi import APIRouter, Request
@@ -15,9 +15,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator
 from connector.compat import IncompatibleWorkers, WorkerIdentity
 from services.common.openai_errors import OpenAIError
 from services.router.registry import Worker, probe_identity
-
-if TYPE_CHECKING:
-    from services.router.app import RouterState
+from services.router.state import RouterState
 
 __all__ = ["WorkerRegistration", "admin_routes"]
 

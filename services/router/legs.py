@@ -10,10 +10,11 @@ recomputes token N, so the token the prefill samples is never shown to the clien
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-__all__ = ["PREFILL_KV_TRANSFER_PARAMS", "LegEncoder", "prefill_body", "decode_body", "merge_usage"]
+from services.router.jsoncodec import ENCODER, dumps
+
+__all__ = ["PREFILL_KV_TRANSFER_PARAMS", "LegEncoder", "prefill_body", "decode_body"]
 
 # What the prefill leg asks for: keep the state for a remote decode worker to pull.
 PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {
@@ -51,10 +52,6 @@ def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any] | None)
     return {**body, "kv_transfer_params": kv_transfer_params}
 
 
-# What httpx's ``json=`` wrote: compact, UTF-8 as is, and no NaN or Infinity (JSON has neither).
-_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
-
-
 class LegEncoder:
     """JSON bodies for the legs of one client request, its prompt encoded once for all of them.
 
@@ -75,23 +72,10 @@ class LegEncoder:
         """``leg`` as compact UTF-8 JSON (``ValueError`` for NaN or Infinity, ``TypeError`` for what JSON cannot hold)."""
         key = self._key
         if key is None or key not in leg or leg[key] is not self._prompt:
-            return _ENCODER.encode(leg).encode()
+            return dumps(leg)
         if self._encoded is None:
-            self._encoded = _ENCODER.encode(self._prompt)
-        rest = _ENCODER.encode({k: v for k, v in leg.items() if k != key})
+            self._encoded = ENCODER.encode(self._prompt)
+        rest = ENCODER.encode({k: v for k, v in leg.items() if k != key})
         separator = "," if len(leg) > 1 else ""
         return f'{rest[:-1]}{separator}"{key}":{self._encoded}}}'.encode()
 
-
-def merge_usage(prefill_usage: dict[str, Any] | None, decode_usage: dict[str, Any] | None) -> dict[str, Any] | None:
-    """One usage for the client: prompt tokens (and cache hits) from prefill, completion from decode."""
-    if decode_usage is None:
-        return None
-    if prefill_usage is None:
-        return decode_usage
-    prompt = prefill_usage.get("prompt_tokens", decode_usage.get("prompt_tokens", 0))
-    completion = decode_usage.get("completion_tokens", 0)
-    merged = {**decode_usage, "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-    if prefill_usage.get("prompt_tokens_details") is not None:
-        merged["prompt_tokens_details"] = prefill_usage["prompt_tokens_details"]
-    return merged

@@ -1,8 +1,9 @@
 """Selection policies: pick one worker from the candidates that passed the filters.
 
-The pipeline is filters (available, compatible, under the per-worker limit) ->
-policy -> pick. The decode worker is chosen first, then a prefill worker
-compatible with it; each role has its own policy, set in the router's settings.
+They are the last step of :mod:`services.router.pairing`'s pipeline: filters
+(available, compatible, under the per-worker limit) -> decider -> policy. The decode
+worker is chosen first, then a prefill worker compatible with it; each role has its
+own policy, set in the router's settings.
 """
 
 from __future__ import annotations

@@ -2,26 +2,31 @@
 
 Static workers come from settings; dynamic ones register through the admin API
 and heartbeat. A health loop evicts a worker after consecutive failed checks and
-re-admits it once it answers again. Pairing follows :mod:`connector.compat`.
+re-admits it once it answers again. Pairing follows :mod:`connector.compat`. A leg
+in flight on a worker is a :class:`Lease` the registry hands out, so the counts
+the policies read go up and down in one place.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
 from dataclasses import dataclass, field
+from types import TracebackType
 from typing import Literal
 
 import httpx
+from prometheus_client import Gauge
 
 from connector.compat import IncompatibleWorkers, WorkerIdentity, check_pair, check_worker
 from services.common.logs import kv
 from services.common.prom import metric_label
 from services.router.upstream import Upstream
 
-__all__ = ["Registry", "Worker", "probe_identity"]
+__all__ = ["Lease", "Registry", "Worker", "can_pair", "probe_identity"]
 
 log = logging.getLogger("hybrid_pd.router.registry")
 
@@ -63,7 +68,8 @@ class Worker:
         }
 
 
-def _compatible(a: Worker, b: Worker) -> bool:
+def can_pair(a: Worker, b: Worker) -> bool:
+    """Whether a prefill and a decode worker (either order) can hand state from one to the other."""
     prefill, decode = (a, b) if a.role == "prefill" else (b, a)
     try:
         check_pair(prefill.identity, decode.identity)
@@ -72,10 +78,50 @@ def _compatible(a: Worker, b: Worker) -> bool:
     return True
 
 
-class Registry:
-    """All workers, by id; the only place that adds, removes or evicts one."""
+class Lease:
+    """One leg in flight on a worker: counted from :meth:`Registry.lease` until :meth:`release`.
 
-    def __init__(self, eviction_failures: int = 3, heartbeat_ttl_s: float = 30.0) -> None:
+    Whichever path ends the leg (its answer closed, an error, the client leaving) releases it,
+    and more than one may: the count drops once. As a context manager it is released when the
+    block ends, however it ends.
+    """
+
+    __slots__ = ("worker", "_tokens", "_gauge", "_held")
+
+    def __init__(self, worker: Worker, tokens: int, gauge: Gauge | None) -> None:
+        self.worker = worker
+        self._tokens = tokens
+        self._gauge = gauge
+        self._held = True
+        worker.inflight += 1
+        worker.inflight_tokens += tokens
+        if gauge is not None:
+            gauge.set(worker.inflight)
+
+    def release(self) -> None:
+        """Stop counting the leg; a second call does nothing."""
+        if not self._held:
+            return
+        self._held = False
+        self.worker.inflight -= 1
+        self.worker.inflight_tokens -= self._tokens
+        if self._gauge is not None:
+            self._gauge.set(self.worker.inflight)
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
+        self.release()
+
+
+class Registry:
+    """All workers, by id; the only place that adds, removes or evicts one, or counts its legs in flight.
+
+    ``inflight_gauge`` (labelled by role and URL) follows every worker's count of legs in flight.
+    """
+
+    def __init__(self, eviction_failures: int = 3, heartbeat_ttl_s: float = 30.0, inflight_gauge: Gauge | None = None) -> None:
         self._workers: dict[str, Worker] = {}
         # Each request looks up both roles: built once per change of membership, not per request.
         # Only add() and remove() change who is in a role; availability and load are read live.
@@ -83,6 +129,7 @@ class Registry:
         self.eviction_failures = eviction_failures
         self.heartbeat_ttl_s = heartbeat_ttl_s
         self.evictions = 0
+        self._inflight_gauge = inflight_gauge
 
     def all(self) -> list[Worker]:
         return list(self._workers.values())
@@ -107,7 +154,7 @@ class Registry:
         """
         check_worker(worker.identity)
         peers = self.role("decode" if worker.role == "prefill" else "prefill")
-        if peers and not any(_compatible(worker, peer) for peer in peers):
+        if peers and not any(can_pair(worker, peer) for peer in peers):
             peer = peers[0]
             pair = (worker.identity, peer.identity) if worker.role == "prefill" else (peer.identity, worker.identity)
             check_pair(*pair)  # raises with the field that differs
@@ -126,9 +173,10 @@ class Registry:
             log.info("worker removed %s", kv(id=worker.id, url=worker.url))
         return worker
 
-    def compatible_with(self, decode: Worker) -> list[Worker]:
-        """Available prefill workers that can hand their state to ``decode``."""
-        return [w for w in self.role("prefill") if w.available and _compatible(w, decode)]
+    def lease(self, worker: Worker, tokens: int) -> Lease:
+        """Count a leg of ``tokens`` prompt tokens as in flight on ``worker`` until the lease is released."""
+        gauge = self._inflight_gauge.labels(worker.role, worker.url) if self._inflight_gauge is not None else None
+        return Lease(worker, tokens, gauge)
 
     def record_health(self, worker: Worker, ok: bool) -> None:
         """Count a health check; evict after ``eviction_failures`` in a row, re-admit on success."""
@@ -164,6 +212,16 @@ class Registry:
 
         await asyncio.gather(*(check(w) for w in self.all()))
         self.expire()
+
+    async def watch(self, upstream: Upstream, interval_s: float) -> None:
+        """Every ``interval_s``, until cancelled: check every worker, learn identities of static workers, expire silent ones."""
+        while True:
+            await self.check_all(upstream)
+            for worker in self.all():
+                if worker.identity.model is None and worker.healthy:
+                    with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, IndexError):
+                        worker.identity = await probe_identity(upstream, worker.url, worker.role)
+            await asyncio.sleep(interval_s)
 
 
 async def probe_identity(upstream: Upstream, url: str, role: RoleName) -> WorkerIdentity:

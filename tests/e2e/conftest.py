@@ -7,14 +7,12 @@ of ``hybrid-pd up``, on free ports.
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from services.common.processes import free_port
-from services.common.prom import metric_sum
 from services.default_model import resolve_model
 from services.stack import Stack, StackConfig
 
@@ -72,33 +70,3 @@ def decode_workers(stack: Stack) -> list[httpx.Client]:
 @pytest.fixture(scope="session")
 def decode_worker(decode_workers: list[httpx.Client]) -> httpx.Client:
     return decode_workers[0]
-
-
-def metric(client: httpx.Client | list[httpx.Client], name: str) -> float:
-    """Sum of a Prometheus counter/histogram-count series over one or more vLLM servers."""
-    if isinstance(client, list):
-        return sum(metric(c, name) for c in client)
-    return metric_sum(client.get("/metrics").text, name)
-
-
-def wait_for(predicate, timeout_s: float = 30.0) -> bool:
-    """Poll ``predicate`` until it is true or ``timeout_s`` passes."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.2)
-    return bool(predicate())
-
-
-def settled(read, timeout_s: float = 10.0) -> float:
-    """The value ``read()`` settles on: vLLM's counters lag an answer by up to a stats interval."""
-    deadline = time.monotonic() + timeout_s
-    value = read()
-    while time.monotonic() < deadline:
-        time.sleep(0.5)
-        latest = read()
-        if latest == value:
-            return value
-        value = latest
-    return value

@@ -16,7 +16,7 @@ import pytest
 
 from services.bench.cli import add_bench_parser, run_bench
 from services.bench.prompts import vocab_size_of
-from tests.e2e.conftest import metric
+from tests.e2e.support import metric
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 

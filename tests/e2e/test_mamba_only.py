@@ -15,7 +15,7 @@ import pytest
 from services.common.processes import free_port
 from services.default_model import resolve_model
 from services.stack import Stack, StackConfig
-from tests.e2e.conftest import metric, settled, wait_for
+from tests.e2e.support import metric, settled, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 

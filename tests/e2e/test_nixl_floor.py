@@ -5,19 +5,9 @@ The session stack's workers run with ``--nixl-trace-dir`` (tests/e2e/conftest.py
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 from benchmarks.nixl_floor import VARIANTS, Replay, measure_floor
 from connector.nixl_trace import load_trace
-from tests.e2e.conftest import metric, settled, wait_for
-
-
-def traced(folder: Path) -> tuple[int, int, int]:
-    """(transfers, descriptors, bytes) the trace holds so far."""
-    xfers = [json.loads(line) for path in folder.glob("nixl-*.jsonl") for line in path.read_text().splitlines()]
-    xfers = [e for e in xfers if e["event"] == "xfer"]
-    return len(xfers), sum(len(e["local"]) for e in xfers), sum(length for e in xfers for _addr, length in e["local"])
+from tests.e2e.support import metric, settled, traced, wait_for
 
 
 def test_trace_holds_every_descriptor_vllm_posted_and_replays(prefill_worker, decode_worker, stack, nixl_trace_dir):

@@ -12,7 +12,7 @@ import json
 import httpx
 import pytest
 
-from tests.e2e.conftest import metric, settled, wait_for
+from tests.e2e.support import metric, settled, traced, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -178,7 +178,6 @@ def test_decode_output_depends_on_the_transferred_state(prefill_worker, decode_w
 def test_plan_matches_what_vllm_transfers(prompt_tokens, prefill_worker, decode_worker, stack, nixl_trace_dir):
     """``hybrid-pd plan``'s bytes and reads equal what vLLM posts for one request, and the merge's count."""
     from connector.plan import model_shape, plan_transfer
-    from tests.e2e.test_nixl_floor import traced
 
     shape = model_shape(stack.config.model)
     plan = plan_transfer(shape, prompt_tokens, block_size=BLOCK)

@@ -22,7 +22,7 @@ from benchmarks.fake_upstream import serve_in_thread
 from services.common.processes import free_port
 from services.router.app import create_app
 from services.router.settings import RouterSettings
-from tests.e2e.conftest import metric, wait_for
+from tests.e2e.support import metric, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 

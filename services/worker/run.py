@@ -1,6 +1,6 @@
-"""A worker service: one vLLM server with the connector configuration of its role.
+"""Run a worker: one vLLM server with the connector configuration of its role.
 
-``hybrid-pd prefill`` and ``hybrid-pd decode`` both run :func:`run_worker`. It
+``hybrid-pd prefill|decode|colocated`` run :func:`run_worker` with their role. It
 starts vLLM as a child in its own process group, relays its output, reports
 readiness, stops vLLM on SIGTERM/SIGINT and, when vLLM fails to start, exits
 non-zero with the lines of vLLM's log that say why.
@@ -17,99 +17,17 @@ import sys
 import threading
 import time
 import urllib.error
-import urllib.request
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
-
-from connector.launch import Device, Role, WorkerSpec, build_launch
-from connector.plan import is_attention_free
-from connector.topology import rdma_devices
+from connector.identity import worker_identity
+from connector.launch import Role, WorkerSpec, build_launch
 from services.common.logs import kv
-from services.common.processes import spawn, stop_group
-from services.common.registration import RouterLink, running_requests, worker_identity
-from services.default_model import resolve_model
+from services.common.processes import spawn, stop_group, wait_http_ok
+from services.worker.registration import RouterLink, block_size, running_requests
+from services.worker.settings import WorkerSettings
 
-__all__ = ["WorkerSettings", "run_worker", "wait_http_ok"]
+__all__ = ["run_worker"]
 
 log = logging.getLogger("hybrid_pd.worker")
-
-
-class WorkerSettings(BaseSettings):
-    """A worker's settings: environment (``HYBRID_PD_WORKER_*``) overridden by the CLI."""
-
-    model_config = SettingsConfigDict(env_prefix="HYBRID_PD_WORKER_", protected_namespaces=())
-
-    model: str = ""  # empty: the embedded default model
-    served_model_name: str | None = None
-    host: str = "127.0.0.1"
-    port: int = 8100
-    side_channel_host: str = "127.0.0.1"
-    side_channel_port: int = 5600
-    device: Device = "cpu"
-    tensor_parallel_size: int = 1
-    dtype: str = "auto"
-    max_model_len: int = 2048
-    max_num_seqs: int = 8
-    kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float | None = None
-    cpu_threads_bind: str | None = None
-    kv_lease_s: int | None = None
-    ucx_net_devices: str | None = None
-    nixl_trace_dir: str | None = None
-    merge_descriptors: bool = True
-    ready_timeout_s: float = 900.0
-    router_url: str | None = None
-    advertise_url: str | None = None
-    admin_token: str | None = None
-    heartbeat_interval_s: float = 5.0
-    drain_timeout_s: float = 30.0
-    vllm_args: list[str] = Field(default_factory=list)
-    log_level: str = "INFO"
-
-    def spec(self, role: Role) -> WorkerSpec:
-        """The connector's view of this worker (builds the default model if none is set)."""
-        model, served_model_name = resolve_model(self.model, self.served_model_name)
-        return WorkerSpec(
-            role=role,
-            model=model,
-            served_model_name=served_model_name,
-            host=self.host,
-            port=self.port,
-            side_channel_host=self.side_channel_host,
-            side_channel_port=self.side_channel_port,
-            device=self.device,
-            tensor_parallel_size=self.tensor_parallel_size,
-            dtype=self.dtype,
-            max_model_len=self.max_model_len,
-            max_num_seqs=self.max_num_seqs,
-            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
-            gpu_memory_utilization=self.gpu_memory_utilization,
-            cpu_threads_bind=self.cpu_threads_bind,
-            attention_free=is_attention_free(model),
-            kv_lease_s=self.kv_lease_s,
-            rdma_devices=rdma_devices() if self.device == "cuda" else (),
-            ucx_net_devices=self.ucx_net_devices,
-            nixl_trace_dir=self.nixl_trace_dir,
-            merge_descriptors=self.merge_descriptors,
-            extra_args=tuple(self.vllm_args),
-        )
-
-
-def wait_http_ok(url: str, alive: callable, timeout_s: float) -> bool:
-    """Poll ``url`` until it answers 200; False as soon as ``alive()`` is False or time runs out."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not alive():
-            return False
-        try:
-            with urllib.request.urlopen(url, timeout=2) as resp:
-                if resp.status == 200:
-                    return True
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.5)
-    return False
 
 
 # vLLM lines after which it will never become ready, though its process lives on: the NIXL
@@ -191,7 +109,7 @@ def run_worker(role: Role, settings: WorkerSettings) -> int:
     if wait_http_ok(vllm_url + "/health", lambda: proc.poll() is None and not stopping.is_set() and not fatal.is_set(), settings.ready_timeout_s):
         log.info("ready %s", kv(role=role, url=vllm_url))
         if settings.router_url and role != "colocated":
-            identity = worker_identity(spec, launch, vllm_url)
+            identity = worker_identity(spec, block_size(vllm_url))
             link = RouterLink(
                 settings.router_url, settings.advertise_url or vllm_url, identity, settings.admin_token, settings.heartbeat_interval_s
             )

@@ -1,0 +1,191 @@
+"""The legs of a request: pair the workers, run the prefill leg, open the decode leg.
+
+:func:`route` reads top to bottom: choose the decode worker -> choose a prefill worker
+(:mod:`services.router.pairing`) -> prefill leg -> decode leg. Failures are handled where
+they happen: a failed prefill leg falls back to a local prefill on the decode worker, a
+prefill worker's refusal (4xx) is the client's answer, and a decode worker that fails
+before its first byte is replaced once. Every leg in flight holds a registry
+:class:`~services.router.registry.Lease`, released when the leg ends however it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import httpx
+
+from services.common.logs import kv
+from services.common.openai_errors import OpenAIError
+from services.router.legs import LegEncoder, decode_body, prefill_body
+from services.router.policies import RequestInfo
+from services.router.registry import Lease, Worker
+from services.router.state import RouterState
+
+__all__ = ["PrefillOutcome", "Routed", "route", "route_request"]
+
+log = logging.getLogger("hybrid_pd.router")
+
+
+@dataclass
+class Routed:
+    """An open answer for the client, and what relaying it needs.
+
+    ``worker`` is whose answer it is: the decode worker's (``lease`` holds it in flight until
+    :meth:`aclose`), or a prefill worker's refusal (``lease`` None: that leg is over), which
+    goes back to the client as it came. ``sent_at``: when its leg was sent.
+    """
+
+    response: httpx.Response
+    worker: Worker
+    prefill_usage: dict | None
+    lease: Lease | None
+    sent_at: float
+
+    async def aclose(self) -> None:
+        """Stop counting the leg and close its answer (a decode worker whose connection closes aborts the request)."""
+        if self.lease is not None:
+            self.lease.release()
+        await self.response.aclose()
+
+
+@dataclass(frozen=True)
+class PrefillOutcome:
+    """How a prefill leg ended.
+
+    ``state``: the worker holds the prompt's state; ``kv_transfer_params`` tell the decode
+    worker where to pull it from, ``usage`` is what the prefill counted. ``refused``: the worker
+    answered 4xx, ``response``, which the client gets as it came. ``failed``: no state, the
+    decode worker prefills locally.
+    """
+
+    kind: Literal["state", "refused", "failed"]
+    kv_transfer_params: dict | None = None
+    usage: dict | None = None
+    response: httpx.Response | None = None
+
+
+_FAILED = PrefillOutcome("failed")
+
+
+async def route_request(state: RouterState, path: str, body: dict[str, Any], request_id: str) -> list[Routed]:
+    """The open answers for ``body``: one, or one per prompt of a completions request with several, in order.
+
+    Each prompt gets its own pair: a shared ``remote_block_ids`` breaks vLLM.
+    """
+    if path != "/v1/completions" or not _is_prompt_list(body):
+        return [await route(state, path, body, request_id)]
+    bodies = [{**body, "prompt": p} for p in body["prompt"]]
+    tasks = [asyncio.ensure_future(route(state, path, b, f"{request_id}-{i}")) for i, b in enumerate(bodies)]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            if task.done() and not task.cancelled() and task.exception() is None:
+                await task.result().aclose()
+        raise
+
+
+def _is_prompt_list(body: dict[str, Any]) -> bool:
+    """A completions request with several prompts: all strings or all token-id lists.
+
+    Anything else (a mixed list, say) goes to vLLM as it came, so the client gets vLLM's own 400.
+    """
+    prompt = body.get("prompt")
+    if not isinstance(prompt, list) or len(prompt) < 2:
+        return False
+    return all(isinstance(p, str) for p in prompt) or all(
+        isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompt
+    )
+
+
+async def route(state: RouterState, path: str, body: dict[str, Any], request_id: str) -> Routed:
+    """Choose the pair, run the prefill leg and open the decode leg (retried once before its first byte)."""
+    started = time.perf_counter()
+    pairing, metrics = state.pairing, state.metrics
+    info = RequestInfo.from_body(body, state.settings.prefix_affinity_chars)
+    encoder = LegEncoder(body)
+    headers = {"X-Request-Id": request_id}
+    tried: set[str] = set()
+    prefill_s = 0.0
+    for attempt in range(2):
+        if not pairing.decode_available():
+            await state.registry.check_all(state.upstream)  # evicted workers may be back: look now, not at the next round
+        decode = pairing.decode(info, tried)
+        choice = pairing.prefill(decode, info)
+        kv_params, prefill_usage = None, None
+        if choice.worker is None:
+            metrics.fallbacks.labels(choice.fallback).inc()
+        else:
+            leg_started = time.perf_counter()
+            outcome = await _prefill_leg(state, choice.worker, path, encoder.encode(prefill_body(body)), headers, info)
+            prefill_s += time.perf_counter() - leg_started
+            if outcome.kind == "refused":
+                return Routed(outcome.response, choice.worker, None, None, time.perf_counter())
+            if outcome.kind == "failed":
+                metrics.fallbacks.labels("prefill_failed").inc()
+            kv_params, prefill_usage = outcome.kv_transfer_params, outcome.usage
+        metrics.overhead.observe(max(0.0, time.perf_counter() - started - prefill_s))
+        leg_body = encoder.encode(decode_body(body, kv_params))
+        routed = await _decode_leg(state, decode, path, leg_body, headers, info, prefill_usage, attempt)
+        if routed is not None:
+            if log.isEnabledFor(logging.INFO):  # one line per request: skip formatting it when INFO is off
+                log.info("routed %s", kv(path=path, decode=decode.url, status=routed.response.status_code, transfer=kv_params is not None))
+            return routed
+        tried.add(decode.id)
+        if attempt == 0 and pairing.decode_available(tried):
+            metrics.retries.inc()
+            continue
+        break
+    raise OpenAIError(502, "decode worker failed before answering")
+
+
+async def _prefill_leg(state: RouterState, prefill: Worker, path: str, leg_body: bytes, headers: dict, info: RequestInfo) -> PrefillOutcome:
+    """Send the prefill leg ``leg_body`` to ``prefill``; how it ended."""
+    started = time.perf_counter()
+    try:
+        with state.registry.lease(prefill, info.est_tokens):
+            response = await state.upstream.request("POST", prefill.url + path, json_body=leg_body, headers=headers)
+    except httpx.HTTPError as exc:
+        log.warning("prefill leg failed, local prefill %s", kv(worker=prefill.url, error=type(exc).__name__))
+        state.registry.record_health(prefill, ok=False)
+        return _FAILED
+    finally:
+        state.metrics.prefill_leg.observe(time.perf_counter() - started)
+    if 400 <= response.status_code < 500:
+        log.info("prefill refused %s", kv(worker=prefill.url, status=response.status_code))
+        return PrefillOutcome("refused", response=response)
+    if response.status_code != 200:
+        log.warning("prefill leg failed, local prefill %s", kv(worker=prefill.url, status=response.status_code))
+        return _FAILED
+    answer = response.json()
+    return PrefillOutcome("state", answer.get("kv_transfer_params"), answer.get("usage"))
+
+
+async def _decode_leg(
+    state: RouterState, decode: Worker, path: str, leg_body: bytes, headers: dict, info: RequestInfo, prefill_usage: dict | None, attempt: int
+) -> Routed | None:
+    """Send the decode leg and return its open answer; None when ``decode`` failed before answering (a 5xx or no answer)."""
+    lease = state.registry.lease(decode, info.est_tokens)
+    sent_at = time.perf_counter()
+    try:
+        response = await state.upstream.request("POST", decode.url + path, json_body=leg_body, headers=headers, stream=True)
+    except httpx.HTTPError as exc:
+        lease.release()
+        log.warning("decode leg failed %s", kv(worker=decode.url, error=type(exc).__name__, attempt=attempt))
+    except BaseException:
+        lease.release()  # cancelled (the client left): the leg is not in flight any more
+        raise
+    else:
+        if response.status_code < 500:
+            return Routed(response, decode, prefill_usage, lease, sent_at)
+        lease.release()
+        await response.aclose()
+        log.warning("decode leg failed %s", kv(worker=decode.url, status=response.status_code, attempt=attempt))
+    state.registry.record_health(decode, ok=False)
+    return None

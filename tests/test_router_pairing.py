@@ -1,0 +1,83 @@
+"""The pairing pipeline (filters -> decider -> policy) and the leases that count legs in flight."""
+
+from __future__ import annotations
+
+import pytest
+
+from connector.compat import WorkerIdentity
+from services.common.openai_errors import OpenAIError
+from services.router.metrics import RouterMetrics
+from services.router.pairing import Pairing, PrefillChoice, PromptLengthDecider
+from services.router.policies import LeastOutstanding, RequestInfo
+from services.router.registry import Registry, Worker
+
+LONG = RequestInfo(est_tokens=100)
+
+
+def _registry(*workers: tuple[str, str], **identity: object) -> Registry:
+    registry = Registry(eviction_failures=1)
+    for url, role in workers:
+        registry.add(Worker(url=url, role=role, identity=WorkerIdentity(role=role, model="m", **identity)))
+    return registry
+
+
+def _pairing(registry: Registry, below_tokens: int = 0, limit: int = 2) -> Pairing:
+    return Pairing(registry, LeastOutstanding(), LeastOutstanding(), PromptLengthDecider(below_tokens), limit)
+
+
+def test_the_decode_worker_is_an_available_untried_one_under_its_limit():
+    registry = _registry(("http://d1", "decode"), ("http://d2", "decode"), ("http://d3", "decode"))
+    d1, d2, d3 = registry.role("decode")
+    d1.draining, d2.inflight = True, 2
+    pairing = _pairing(registry)
+    assert pairing.decode(LONG, tried=()) is d3
+    with pytest.raises(OpenAIError) as full:
+        pairing.decode(LONG, tried={d3.id})
+    assert (full.value.status, full.value.message) == (429, "every decode worker is at its concurrency limit")
+    registry.record_health(d2, ok=False)  # evicted
+    with pytest.raises(OpenAIError) as none:
+        pairing.decode(LONG, tried={d3.id})
+    assert (none.value.status, none.value.message) == (503, "no decode worker is available")
+    assert pairing.decode_available() and not pairing.decode_available(tried={d3.id})
+
+
+def test_the_prefill_worker_is_compatible_with_the_decode_worker_and_under_its_limit():
+    registry = _registry(("http://d", "decode"), ("http://p1", "prefill"), ("http://p2", "prefill"))
+    decode, (p1, p2) = registry.role("decode")[0], registry.role("prefill")
+    p1.inflight = 2
+    pairing = _pairing(registry)
+    assert pairing.prefill(decode, LONG) == PrefillChoice(p2)
+    p2.identity = WorkerIdentity(role="prefill", model="another")
+    assert pairing.prefill(decode, LONG) == PrefillChoice(None, "no_prefill_worker")
+
+
+def test_the_decider_keeps_short_prompts_on_the_decode_worker():
+    registry = _registry(("http://d", "decode"), ("http://p", "prefill"))
+    pairing = _pairing(registry, below_tokens=100)
+    decode, prefill = registry.role("decode")[0], registry.role("prefill")[0]
+    assert pairing.prefill(decode, RequestInfo(est_tokens=99)) == PrefillChoice(None, "short_prompt")
+    assert pairing.prefill(decode, RequestInfo(est_tokens=100)) == PrefillChoice(prefill)
+
+
+def test_a_lease_counts_a_leg_until_released_once_however_often_release_is_called():
+    metrics = RouterMetrics()
+    registry = Registry(inflight_gauge=metrics.inflight)
+    worker = registry.add(Worker(url="http://d", role="decode", identity=WorkerIdentity(role="decode")))
+    gauge = metrics.inflight.labels("decode", "http://d")
+    first, second = registry.lease(worker, 10), registry.lease(worker, 5)
+    assert (worker.inflight, worker.inflight_tokens, gauge._value.get()) == (2, 15, 2)
+    first.release()
+    first.release()
+    assert (worker.inflight, worker.inflight_tokens, gauge._value.get()) == (1, 5, 1)
+    second.release()
+    assert (worker.inflight, worker.inflight_tokens, gauge._value.get()) == (0, 0, 0)
+
+
+def test_a_lease_held_by_a_block_is_released_when_it_raises_and_not_again_after():
+    registry = Registry()
+    worker = registry.add(Worker(url="http://p", role="prefill", identity=WorkerIdentity(role="prefill")))
+    with pytest.raises(RuntimeError), registry.lease(worker, 7) as lease:
+        assert worker.inflight == 1
+        raise RuntimeError("the leg failed")
+    lease.release()
+    assert (worker.inflight, worker.inflight_tokens) == (0, 0)

@@ -1,0 +1,83 @@
+"""A worker setting is declared once: its flag, its environment variable and its place in the spec follow from the field."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields
+
+import pytest
+
+from connector.launch import WorkerSpec
+from services.cli import build_parser
+from services.common.cli_flags import given
+from services.worker import ROLES
+from services.worker.settings import WorkerSettings
+
+# The flags `hybrid-pd prefill|decode|colocated` have always had, in --help order.
+FLAGS = [
+    "--model", "--served-model-name", "--host", "--port", "--side-channel-host", "--side-channel-port", "--device",
+    "--tensor-parallel-size", "--dtype", "--max-model-len", "--max-num-seqs", "--kv-cache-memory-bytes",
+    "--gpu-memory-utilization", "--cpu-threads-bind", "--ready-timeout-s", "--kv-lease-s", "--ucx-net-devices",
+    "--merge-descriptors", "--no-merge-descriptors", "--nixl-trace-dir", "--router-url", "--advertise-url",
+    "--drain-timeout-s", "--vllm-arg", "--dry-run",
+]  # fmt: skip
+
+
+def _subparser(role: str) -> argparse.ArgumentParser:
+    (sub,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return sub.choices[role]
+
+
+@pytest.mark.parametrize("role", list(ROLES))
+def test_each_role_has_the_same_flags_with_help(role):
+    actions = [a for a in _subparser(role)._actions if a.option_strings and a.dest != "help"]
+    assert [flag for a in actions for flag in a.option_strings] == FLAGS
+    assert all(a.help for a in actions)
+
+
+def _settings(argv: list[str]) -> WorkerSettings:
+    return WorkerSettings(**given(build_parser().parse_args(["decode", *argv]), WorkerSettings))
+
+
+def test_flags_parse_to_the_fields_types():
+    settings = _settings(["--port", "9100", "--gpu-memory-utilization", "0.5", "--device", "cuda", "--no-merge-descriptors",
+                          "--vllm-arg=--foo", "--vllm-arg", "bar"])  # fmt: skip
+    assert (settings.port, settings.gpu_memory_utilization, settings.device) == (9100, 0.5, "cuda")
+    assert settings.merge_descriptors is False
+    assert settings.vllm_args == ("--foo", "bar")
+
+
+def test_a_flag_wins_over_the_environment_which_wins_over_the_default(monkeypatch):
+    monkeypatch.setenv("HYBRID_PD_WORKER_PORT", "9000")
+    monkeypatch.setenv("HYBRID_PD_WORKER_MERGE_DESCRIPTORS", "false")
+    monkeypatch.setenv("HYBRID_PD_WORKER_VLLM_ARGS", '["--a", "b"]')
+    from_env = _settings([])
+    assert (from_env.port, from_env.merge_descriptors, from_env.vllm_args) == (9000, False, ("--a", "b"))
+    assert _settings(["--port", "9100", "--merge-descriptors"]).port == 9100
+    assert _settings(["--merge-descriptors"]).merge_descriptors is True
+    monkeypatch.delenv("HYBRID_PD_WORKER_PORT")
+    assert _settings([]).port == WorkerSettings.model_fields["port"].default
+
+
+def test_secrets_and_tuning_come_from_the_environment_only(monkeypatch):
+    monkeypatch.setenv("HYBRID_PD_WORKER_ADMIN_TOKEN", "s3cret")
+    monkeypatch.setenv("HYBRID_PD_WORKER_HEARTBEAT_INTERVAL_S", "2")
+    settings = _settings([])
+    assert (settings.admin_token, settings.heartbeat_interval_s) == ("s3cret", 2.0)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["decode", "--admin-token", "x"])
+
+
+def test_the_spec_takes_every_setting_it_shares_by_name(tmp_path):
+    settings = WorkerSettings(model=str(tmp_path), served_model_name="m", port=9, side_channel_port=7, dtype="half", max_num_seqs=3,
+                              kv_lease_s=5, merge_descriptors=False, nixl_trace_dir="/t", vllm_args=("--x",))  # fmt: skip
+    spec = settings.spec("prefill")
+    shared = {f.name for f in fields(WorkerSpec)} & set(WorkerSettings.model_fields)
+    assert shared >= {"port", "dtype", "vllm_args", "merge_descriptors", "kv_lease_s"}
+    assert {n: getattr(spec, n) for n in shared} == {n: getattr(settings, n) for n in shared}
+    assert (spec.role, spec.seed, spec.rdma_devices) == ("prefill", 0, ())
+
+
+def test_without_a_model_the_spec_serves_the_embedded_one():
+    spec = WorkerSettings().spec("decode")
+    assert spec.served_model_name == "hybrid-pd-tiny" and spec.model.endswith("hybrid-pd-tiny")
