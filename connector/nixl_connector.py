@@ -22,6 +22,11 @@ it is vLLM's pull connector, with the fixes and hooks below switched on per work
    one descriptor (:mod:`connector.nixl_merge`).
 4. **Transfer trace.** When ``HYBRID_PD_NIXL_TRACE_DIR`` is set, every transfer the
    worker posts is recorded at the NIXL API (:mod:`connector.nixl_trace`).
+5. **No pull of released state.** The prefill stamps when its KV lease runs out into
+   the ``kv_transfer_params`` it answers with; the decode worker reports a pull that
+   completed after that as failed, and vLLM recomputes the prompt locally instead of
+   generating from blocks the prefill had already freed and reused
+   (:mod:`connector.kv_lease`). Always on: it uses only vLLM's connector interface.
 
 Hooks 2-4 act on NIXL, not on vLLM, and work with every vLLM we support.
 """
@@ -29,13 +34,16 @@ Hooks 2-4 act on NIXL, not on vLLM, and work with every vLLM we support.
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 import os
+import time
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPullConnector
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPullConnectorWorker
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.tp_mapping import _is_attention_spec
 from vllm.v1.kv_cache_interface import AttentionSpec
 
+from connector.kv_lease import lease_expiry, pull_outlived_lease, stamp_lease
 from connector.nixl_merge import MERGE_ENV, merge_adjacent_descriptors
 from connector.nixl_progress import DELAY_ENV, throttle_progress_thread
 from connector.nixl_trace import TRACE_ENV, record_transfers
@@ -43,6 +51,18 @@ from connector.nixl_trace import TRACE_ENV, record_transfers
 __all__ = ["NixlConnector", "TESTED_VLLM_VERSIONS"]
 
 TESTED_VLLM_VERSIONS = frozenset({"0.32.0"})
+
+# Under vLLM's logger, so these lines carry its format and process prefix.
+log = logging.getLogger("vllm.hybrid_pd.connector")
+
+# Whether this vLLM lets a connector report a failed pull of a hybrid model's state
+# (``KVConnectorTransferResults.failed_recving``, 0.32; 0.26 has only block-level errors,
+# which its scheduler cannot map to a request with several KV cache groups).
+REPORTS_FAILED_PULLS = hasattr(NixlPullConnector, "get_transfer_results")
+
+# The attribute of vLLM's connector metadata that carries lease ends from the decode
+# worker's scheduler to its model workers (possibly other processes: it is pickled along).
+_LEASE_EXPIRY_ATTR = "hybrid_pd_lease_expiry"
 
 
 def _vllm_version() -> str:
@@ -75,10 +95,19 @@ class _MambaOnlyWorker(NixlPullConnectorWorker):
 
 
 class NixlConnector(NixlPullConnector):
-    """vLLM's ``NixlConnector`` (pull), with the pure-Mamba handshake fix on the worker side."""
+    """vLLM's ``NixlConnector`` (pull), with the pure-Mamba handshake fix and the lease check."""
 
     def __init__(self, vllm_config, role, kv_cache_config) -> None:  # noqa: ANN001 - vLLM's signature
         super().__init__(vllm_config, role, kv_cache_config)
+        self._lease_s = float(vllm_config.kv_transfer_config.get_from_extra_config("kv_lease_duration", 30))
+        self._allocated_expiry: dict[str, float] = {}  # decode scheduler: pulls not yet handed to the workers
+        self._pull_expiry: dict[str, float] = {}  # decode worker: pulls in flight
+        if self.connector_worker is not None and vllm_config.kv_transfer_config.kv_role == "kv_consumer" and not REPORTS_FAILED_PULLS:
+            log.warning(
+                "this vLLM cannot report a failed pull of hybrid state (no KVConnectorTransferResults.failed_recving; "
+                "vLLM 0.32 has it): a pull that completes after the prefill's KV lease ran out is not detected and "
+                "would be answered from reused blocks"
+            )
         if self.connector_worker is None or any(_is_attention_spec(t) for t in self.connector_worker._group_spec_types):
             return
         if _vllm_version() not in TESTED_VLLM_VERSIONS:
@@ -88,3 +117,48 @@ class NixlConnector(NixlPullConnector):
                 "_build_fa_remote still needs it, then add the version"
             )
         self.connector_worker.__class__ = _MambaOnlyWorker  # adds a method, no state
+
+    # Prefill, scheduler side: the answer's kv_transfer_params say when the lease runs out.
+    def request_finished(self, request, block_ids):  # noqa: ANN001, ANN201 - vLLM's signature
+        started_at = time.time()
+        delay_free, params = super().request_finished(request, block_ids)
+        return delay_free, stamp_lease(params, self._lease_s, started_at) if delay_free else params
+
+    def request_finished_all_groups(self, request, block_ids):  # noqa: ANN001, ANN201 - vLLM's signature
+        started_at = time.time()
+        delay_free, params = super().request_finished_all_groups(request, block_ids)
+        return delay_free, stamp_lease(params, self._lease_s, started_at) if delay_free else params
+
+    # Decode, scheduler side: the lease end of each pull goes to the workers with the pull itself.
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):  # noqa: ANN001, ANN201 - vLLM's signature
+        params = request.kv_transfer_params
+        expires_at = lease_expiry(params) if params and params.get("do_remote_prefill") else None
+        if expires_at is not None:
+            self._allocated_expiry[request.request_id] = expires_at
+        return super().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output):  # noqa: ANN001, ANN201 - vLLM's signature
+        meta = super().build_connector_meta(scheduler_output)
+        setattr(meta, _LEASE_EXPIRY_ATTR, self._allocated_expiry)
+        self._allocated_expiry = {}
+        return meta
+
+    # Decode, worker side: a pull noticed complete after the lease ran out counts as failed.
+    def bind_connector_metadata(self, connector_metadata) -> None:  # noqa: ANN001 - vLLM's signature
+        super().bind_connector_metadata(connector_metadata)
+        self._pull_expiry.update(getattr(connector_metadata, _LEASE_EXPIRY_ATTR, {}))
+
+    def get_transfer_results(self, finished_req_ids):  # noqa: ANN001, ANN201 - vLLM's signature
+        results = super().get_transfer_results(finished_req_ids)
+        now = time.time()
+        for req_id in results.finished_recving:
+            expires_at = self._pull_expiry.pop(req_id, None)
+            if req_id not in results.failed_recving and pull_outlived_lease(expires_at, now):
+                log.warning(
+                    "pull of %s completed %.1f s after the prefill's KV lease ran out: its blocks may hold another "
+                    "request's state; recomputing the prompt locally", req_id, now - expires_at,
+                )
+                results.failed_recving.add(req_id)
+        for req_id in finished_req_ids:  # aborted before their pull completed
+            self._pull_expiry.pop(req_id, None)
+        return results
