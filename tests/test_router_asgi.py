@@ -8,6 +8,7 @@ import json
 import httpx
 import pytest
 
+from benchmarks.fake_upstream import serve_in_thread
 from tests.router_support import Workers, asgi_client, router_app, scope
 
 
@@ -132,3 +133,14 @@ async def test_a_streamed_answer_is_one_start_then_body_messages_the_last_one_en
     assert [m.get("more_body") for m in bodies] == [True] * (len(bodies) - 1) + [False]
     assert b"".join(m["body"] for m in bodies).endswith(b"data: [DONE]\n\n")
     assert state.metrics.requests.labels("completions", "ok")._value.get() == 1 and state.inflight == 0
+
+
+def test_a_client_sending_a_body_far_over_the_limit_reads_the_413(workers):
+    """A real client sends all 30 MB, with a Content-Length or chunked: it reads the 413 (uvicorn drops the unread body)."""
+    body = b'{"model": "m", "prompt": "' + b"x" * (30 * 1024 * 1024) + b'"}'
+    with serve_in_thread(router_app(workers, max_body_bytes=1_000_000), lifespan="on") as url, httpx.Client(timeout=60) as client:
+        for chunked in (False, True):  # with a Content-Length, and without one (read until over the limit)
+            content = body if not chunked else iter([body[i : i + 65536] for i in range(0, len(body), 65536)])
+            r = client.post(url + "/v1/completions", content=content, headers={"content-type": "application/json"})
+            assert r.status_code == 413 and "larger than 1000000 bytes" in r.json()["error"]["message"]
+    assert workers.calls == []

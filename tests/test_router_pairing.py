@@ -17,7 +17,7 @@ LONG = RequestInfo(est_tokens=100)
 def _registry(*workers: tuple[str, str], **identity: object) -> Registry:
     registry = Registry(eviction_failures=1)
     for url, role in workers:
-        registry.add(Worker(url=url, role=role, identity=WorkerIdentity(role=role, model="m", **identity)))
+        registry.add(Worker(url=url, role=role, identity=WorkerIdentity(role=role, model="m", **identity), healthy=True))
     return registry
 
 

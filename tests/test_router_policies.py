@@ -11,7 +11,8 @@ from services.router.registry import Registry, Worker
 
 
 def _w(url, role="decode", inflight=0, tokens=0, **identity):
-    w = Worker(url=url, role=role, identity=WorkerIdentity(role=role, model="m", **identity))
+    """An admitted worker (it has passed a health check)."""
+    w = Worker(url=url, role=role, identity=WorkerIdentity(role=role, model="m", **identity), healthy=True)
     w.inflight, w.inflight_tokens = inflight, tokens
     return w
 
@@ -132,6 +133,20 @@ def test_eviction_after_consecutive_failures_and_readmission():
     assert not w.available and registry.evictions == 1
     registry.record_health(w, ok=True)
     assert w.available and w.failures == 0
+
+
+def test_a_new_worker_is_unknown_until_its_first_passing_check_and_a_heartbeat_does_not_admit_it():
+    registry = Registry(eviction_failures=1)
+    w = registry.add(Worker(url="http://d", role="decode", identity=WorkerIdentity(role="decode", model="m")))
+    assert not w.available and w.view()["state"] == "unknown"
+    registry.record_health(w, ok=False)  # still starting: not an eviction
+    registry.touch(w)  # the worker service heartbeats while its vLLM hangs
+    assert not w.available and w.view()["state"] == "unknown" and registry.evictions == 0
+    registry.record_health(w, ok=True)
+    assert w.available and w.view()["state"] == "healthy"
+    registry.record_health(w, ok=False)
+    registry.touch(w)
+    assert not w.available and w.view()["state"] == "evicted" and registry.evictions == 1
 
 
 def test_dynamic_workers_expire_without_heartbeats_static_ones_stay():

@@ -76,13 +76,14 @@ def admin_routes(state: RouterState) -> APIRouter:
             worker = registry.add(Worker(url=reg.url, role=reg.role, identity=identity))
         except IncompatibleWorkers as exc:
             raise OpenAIError(409, f"worker refused: {exc}", param=exc.field) from exc
+        await registry.check(worker, state.upstream)  # routed to once its server has answered, not before
         return worker.view()
 
     @router.post("/workers/{worker_id}/heartbeat")
     async def heartbeat(worker_id: str, request: Request) -> dict[str, Any]:
         authorize(request)
         worker = worker_or_404(worker_id)
-        registry.record_health(worker, ok=True)
+        registry.touch(worker)
         return worker.view()
 
     @router.post("/workers/{worker_id}/drain")

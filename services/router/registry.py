@@ -42,7 +42,10 @@ class Worker:
     identity: WorkerIdentity
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     static: bool = False
-    healthy: bool = True
+    # None until the first health check answers: a worker is not routed to before it has
+    # answered once (a router that counted its static workers healthy at start said 200 on
+    # /health ~85 s before it could serve).
+    healthy: bool | None = None
     draining: bool = False
     failures: int = 0
     inflight: int = 0
@@ -51,7 +54,7 @@ class Worker:
 
     @property
     def available(self) -> bool:
-        return self.healthy and not self.draining
+        return self.healthy is True and not self.draining
 
     def view(self) -> dict:
         """What ``GET /admin/workers`` shows."""
@@ -59,7 +62,7 @@ class Worker:
             "id": self.id,
             "url": self.url,
             "role": self.role,
-            "state": "draining" if self.draining else ("healthy" if self.healthy else "evicted"),
+            "state": "draining" if self.draining else {True: "healthy", False: "evicted", None: "unknown"}[self.healthy],
             "static": self.static,
             "inflight": self.inflight,
             "inflight_tokens": self.inflight_tokens,
@@ -179,18 +182,26 @@ class Registry:
         return Lease(worker, tokens, gauge)
 
     def record_health(self, worker: Worker, ok: bool) -> None:
-        """Count a health check; evict after ``eviction_failures`` in a row, re-admit on success."""
+        """Count a health check; admit on success, evict after ``eviction_failures`` in a row."""
         if ok:
-            if not worker.healthy:
-                log.info("worker re-admitted %s", kv(id=worker.id, url=worker.url))
+            if worker.healthy is not True:
+                log.info("worker %s %s", "re-admitted" if worker.healthy is False else "admitted", kv(id=worker.id, url=worker.url))
             worker.failures, worker.healthy = 0, True
-            worker.last_seen = time.monotonic()
+            self.touch(worker)
             return
         worker.failures += 1
-        if worker.healthy and worker.failures >= self.eviction_failures:
+        if worker.healthy is True and worker.failures >= self.eviction_failures:
             worker.healthy = False
             self.evictions += 1
             log.warning("worker evicted %s", kv(id=worker.id, url=worker.url, failures=worker.failures))
+
+    def touch(self, worker: Worker) -> None:
+        """A dynamic worker's heartbeat: its registration stays, its health is the health checks' to say.
+
+        The heartbeat comes from the worker service, which lives on while its vLLM hangs
+        (frozen, deadlocked): counted as a passed check, it would re-admit such a worker.
+        """
+        worker.last_seen = time.monotonic()
 
     def expire(self, now: float | None = None) -> list[Worker]:
         """Drop dynamic workers whose heartbeats stopped; static ones only get evicted."""
@@ -200,17 +211,17 @@ class Registry:
             self.remove(worker.id)
         return gone
 
+    async def check(self, worker: Worker, upstream: Upstream) -> None:
+        """One health check of ``worker``: its vLLM server's ``/health``."""
+        try:
+            ok = (await upstream.get(worker.url + "/health", timeout=5)).status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        self.record_health(worker, ok)
+
     async def check_all(self, upstream: Upstream) -> None:
         """One round of health checks over every worker."""
-
-        async def check(worker: Worker) -> None:
-            try:
-                ok = (await upstream.get(worker.url + "/health", timeout=5)).status_code == 200
-            except httpx.HTTPError:
-                ok = False
-            self.record_health(worker, ok)
-
-        await asyncio.gather(*(check(w) for w in self.all()))
+        await asyncio.gather(*(self.check(w, upstream) for w in self.all()))
         self.expire()
 
     async def watch(self, upstream: Upstream, interval_s: float) -> None:
@@ -218,7 +229,7 @@ class Registry:
         while True:
             await self.check_all(upstream)
             for worker in self.all():
-                if worker.identity.model is None and worker.healthy:
+                if worker.identity.model is None and worker.healthy is True:
                     with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, IndexError):
                         worker.identity = await probe_identity(upstream, worker.url, worker.role)
             await asyncio.sleep(interval_s)
