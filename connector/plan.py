@@ -21,7 +21,12 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = ["ModelShape", "TransferPlan", "model_shape", "plan_transfer"]
+__all__ = ["ModelShape", "PlanError", "TransferPlan", "model_shape", "plan_transfer"]
+
+
+class PlanError(ValueError):
+    """The model's config or the layout asked for cannot be planned; the message says what to give instead."""
+
 
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "fp8": 1}
 
@@ -53,13 +58,24 @@ def _layer_kinds(cfg: dict) -> list[str]:
         return [names.get(c, c) for c in cfg["hybrid_override_pattern"]]
     if cfg.get("model_type") in ("mamba2", "mamba"):
         return ["mamba"] * int(cfg["num_hidden_layers"])
-    raise ValueError(f"cannot find the layer pattern of model_type {cfg.get('model_type')!r}")
+    raise PlanError(
+        f"cannot find the layer pattern of model_type {cfg.get('model_type')!r}: give a NemotronH, Granite-4-H "
+        "or Mamba2 model (layers_block_type, layer_types or hybrid_override_pattern in config.json)"
+    )
 
 
 def model_shape(config_path: str | Path) -> ModelShape:
     """Read ``config.json`` (a file or a model directory) of a NemotronH, Granite-4-H or Mamba2 model."""
     path = Path(config_path)
-    cfg = json.loads((path / "config.json" if path.is_dir() else path).read_text())
+    file = path / "config.json" if path.is_dir() else path
+    try:
+        cfg = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise PlanError(f"no {file}: give a local model directory (or its config.json)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise PlanError(f"cannot read {file} as a model config: {exc}") from None
+    if not isinstance(cfg, dict):
+        raise PlanError(f"{file} is not a model config (a JSON object)")
     kinds = _layer_kinds(cfg)
     mamba = sum(k in ("mamba", "linear_attention", "M") for k in kinds)
     attention = sum(k in ("attention", "full_attention", "*") for k in kinds)
@@ -69,7 +85,7 @@ def model_shape(config_path: str | Path) -> ModelShape:
             if cfg.get(key) is not None:
                 return int(cfg[key])
         if default is None:
-            raise ValueError(f"config has none of {keys}")
+            raise PlanError(f"{file} has none of {', '.join(keys)}: is it a hybrid Mamba model's config?")
         return default
 
     heads = first("mamba_num_heads", "mamba_n_heads", "num_heads")
@@ -130,7 +146,9 @@ def plan_transfer(
 ) -> TransferPlan:
     """The plan for one request of ``prompt_tokens`` tokens; TP sizes must divide one another."""
     if max(prefill_tp, decode_tp) % min(prefill_tp, decode_tp):
-        raise ValueError(f"TP sizes {prefill_tp} (prefill) and {decode_tp} (decode): one must divide the other")
+        raise PlanError(
+            f"TP sizes {prefill_tp} (prefill) and {decode_tp} (decode): one must divide the other, e.g. 2 and 4"
+        )
     tokens = max(prompt_tokens - 1, 1)  # the prefill stops at N-1 (one token cannot back off)
     blocks = math.ceil(tokens / block_size)
     conv = (shape.d_inner + 2 * shape.groups_state) * shape.conv_rows * shape.dtype_bytes

@@ -3,6 +3,11 @@
 - ``hybrid-pd up``: router + prefill + decode workers on this machine, in the foreground.
 - ``hybrid-pd router|prefill|decode``: one service each (what containers run);
   ``hybrid-pd colocated``: a plain vLLM server, the baseline P/D is compared to.
+
+Bad input is answered like the router answers a bad request: one line that names the
+flag (or environment variable) and what to give instead, exit code 2, before anything
+starts; never a traceback. Values are checked where they are declared: argparse types
+here, validators on the settings models (:mod:`services.common.checks` for both).
 """
 
 from __future__ import annotations
@@ -10,39 +15,92 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
+from pydantic_settings import SettingsError
 
 from services.bench.cli import add_bench_parser, run_bench
+from services.common import checks
+from services.common.arg_types import at_least, checked
 from services.common.cli_flags import add_flags, given
-from services.common.logs import configure_logging
+from services.common.logs import add_log_level_flag, configure_logging
 from services.eval.cli import add_eval_parser, run_eval
 from services.worker import ROLES
 from services.worker.settings import WorkerSettings
 
-__all__ = ["main", "build_parser"]
+__all__ = ["UsageError", "main", "build_parser"]
 
 log = logging.getLogger("hybrid_pd.cli")
+
+S = TypeVar("S", bound=BaseModel)
+
+# Settings whose values an error message must not repeat.
+_SECRETS = ("admin_token", "api_keys")
+
+
+class UsageError(Exception):
+    """Bad input found after parsing: :func:`main` prints the message on one line and exits 2."""
+
+
+class InvalidSettings(Exception):
+    """A settings model refused values; :func:`main` names each one by the flag or variable it came from."""
+
+    def __init__(self, model: type[BaseModel], error: ValidationError, from_flags: dict[str, Any]) -> None:
+        super().__init__(str(error))
+        self.model, self.error, self.from_flags = model, error, from_flags
+
+    def describe(self, flags: dict[str, str]) -> str:
+        """One line: each refused value, as ``--flag VALUE: why`` or ``PREFIX_NAME=VALUE: why``."""
+        problems = []
+        for e in self.error.errors():
+            name = str(e["loc"][0]) if e["loc"] else ""
+            value = "***" if name in _SECRETS else e.get("input")
+            if name in self.from_flags and name in flags:
+                where = f"{flags[name]} {value}"
+            else:
+                where = f"{self.model.model_config.get('env_prefix', '')}{name.upper()}={value}"
+            problems.append(f"{where}: {e['msg'].removeprefix('Value error, ')}")
+        return "; ".join(problems)
+
+
+def _settings(model: type[S], args: argparse.Namespace) -> S:
+    """``model`` from the environment, overridden by the flags ``args`` gave."""
+    from_flags = given(args, model)
+    try:
+        return model(**from_flags)
+    except ValidationError as exc:
+        raise InvalidSettings(model, exc, from_flags) from None
+    except SettingsError as exc:  # a list or tuple setting whose variable is not JSON
+        field = re.search(r'field "(\w+)"', str(exc))
+        name = f"{model.model_config.get('env_prefix', '')}{field.group(1).upper()}" if field else "a variable"
+        raise UsageError(f'{name}: not a JSON list; write it as ["a", "b"] (or [] for none)') from None
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybrid-pd", description=__doc__.splitlines()[0])
-    parser.add_argument("--log-level", default="INFO")
+    add_log_level_flag(parser)
     sub = parser.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="run router + prefill + decode workers locally (foreground)")
-    up.add_argument("--model", help="model directory (default: the embedded tiny hybrid model)")
+    up.add_argument(
+        "--model", type=checked(str, checks.model_ref), help="model directory (default: the embedded tiny hybrid model)"
+    )
     up.add_argument("--host", default="127.0.0.1", help="router bind address")
-    up.add_argument("--port", type=int, default=8000, help="router port")
-    up.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
-    up.add_argument("--decode", type=int, default=1, help="number of decode workers")
+    up.add_argument("--port", type=checked(int, checks.tcp_port), default=8000, help="router port")
+    up.add_argument("--prefill", type=at_least(1), default=1, help="number of prefill workers")
+    up.add_argument("--decode", type=at_least(1), default=1, help="number of decode workers")
     up.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     up.add_argument("--baseline", action="store_true", help="also start a colocated vLLM server to compare with")
-    up.add_argument("--log-dir", type=Path, help="where each service's log goes (default: .hybrid-pd/logs)")
+    up.add_argument(
+        "--log-dir",
+        type=checked(Path, checks.output_dir),
+        help="where each service's log goes (default: .hybrid-pd/logs)",
+    )
 
     router = sub.add_parser("router", help="run the router")
     router.add_argument("--host")
@@ -69,12 +127,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
 
     plan = sub.add_parser("plan", help="bytes and reads of the state one request moves, per TP layout")
-    plan.add_argument("--model", help="model directory (default: the embedded model)")
-    plan.add_argument("--prefill-tp", type=int, default=1)
-    plan.add_argument("--decode-tp", type=int, default=1)
-    plan.add_argument("--prompt-tokens", type=int, default=1000)
-    plan.add_argument("--block-size", type=int, default=128)
-    plan.add_argument("--bandwidth-gbps", type=float, default=25.0, help="GB/s used for the time estimate")
+    plan.add_argument("--model", help="local model directory or its config.json (default: the embedded model)")
+    plan.add_argument("--prefill-tp", type=at_least(1), default=1, help="one TP size must divide the other")
+    plan.add_argument("--decode-tp", type=at_least(1), default=1)
+    plan.add_argument("--prompt-tokens", type=at_least(1), default=1000)
+    plan.add_argument("--block-size", type=at_least(1), default=128)
+    plan.add_argument(
+        "--bandwidth-gbps", type=checked(float, checks.positive), default=25.0, help="GB/s used for the time estimate"
+    )
     plan.add_argument("--json", action="store_true", help="print JSON")
     return parser
 
@@ -85,7 +145,7 @@ def _run_router(args: argparse.Namespace) -> int:
     from services.router.app import create_app
     from services.router.settings import RouterSettings
 
-    settings = RouterSettings(**given(args, RouterSettings))
+    settings = _settings(RouterSettings, args)
     if args.dry_run:
         shown = settings.model_dump(mode="json")
         shown["api_keys"] = ["***"] * len(settings.api_keys)
@@ -98,13 +158,19 @@ def _run_router(args: argparse.Namespace) -> int:
 
 
 def _run_worker(args: argparse.Namespace) -> int:
-    settings = WorkerSettings(**given(args, WorkerSettings))
+    settings = _settings(WorkerSettings, args)
     if args.dry_run:
         from connector.launch import build_launch
 
         launch = build_launch(settings.spec(args.command))
         print(json.dumps({"argv": launch.argv, "env": launch.env}))
         return 0
+    # Where the model is depends on the machine that runs vLLM: this one now, not the one a dry run prints for.
+    try:
+        checks.model_ref(settings.model)
+    except ValueError as exc:
+        where = f"--model {settings.model}" if args.model else f"HYBRID_PD_WORKER_MODEL={settings.model}"
+        raise UsageError(f"{where}: {exc}") from None
     from services.worker.run import run_worker
 
     return run_worker(args.command, settings)
@@ -122,11 +188,16 @@ def _ready_message(stack: Any, model_name: str) -> str:
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    from connector.plan import model_shape, plan_transfer
+    from connector.plan import PlanError, model_shape, plan_transfer
     from services.default_model import resolve_model
 
-    shape = model_shape(resolve_model(args.model)[0])
-    plan = plan_transfer(shape, args.prompt_tokens, args.prefill_tp, args.decode_tp, args.block_size, args.bandwidth_gbps)
+    try:
+        shape = model_shape(resolve_model(args.model)[0])
+        plan = plan_transfer(
+            shape, args.prompt_tokens, args.prefill_tp, args.decode_tp, args.block_size, args.bandwidth_gbps
+        )
+    except PlanError as exc:
+        raise UsageError(str(exc)) from None
     if args.json:
         print(json.dumps({"model": shape.__dict__, "plan": plan.to_json()}))
         return 0
@@ -154,9 +225,12 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def _run_up(args: argparse.Namespace) -> int:
+    from services.common.processes import listen_problem
     from services.default_model import resolve_model
     from services.stack import Stack, StackConfig, StackError, watch
 
+    if (problem := listen_problem(args.host, args.port)) is not None:
+        raise UsageError(f"the router cannot listen on {problem}: stop what uses it, or pass another --port or --host")
     model, name = resolve_model(args.model)
     config = StackConfig(
         model=model,
@@ -187,16 +261,25 @@ def _run_up(args: argparse.Namespace) -> int:
         stack.stop()
 
 
+def _flags(parser: argparse.ArgumentParser, command: str) -> dict[str, str]:
+    """dest -> flag of ``command``'s options (``api_keys`` -> ``--api-key``)."""
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return {a.dest: a.option_strings[0] for a in sub.choices[command]._actions if a.option_strings}
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     configure_logging(args.log_level)
     runners = {"up": _run_up, "router": _run_router, **dict.fromkeys(ROLES, _run_worker), "eval": run_eval, "bench": run_bench, "plan": _run_plan}
     try:
         return runners[args.command](args)
-    except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-        print(f"hybrid-pd {args.command}: invalid settings: {problems}", file=sys.stderr)
-        return 2
+    except InvalidSettings as exc:
+        problem = exc.describe(_flags(parser, args.command))
+    except UsageError as exc:
+        problem = str(exc)
+    print(f"hybrid-pd {args.command}: {problem}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ import json
 import re
 import socket
 from collections.abc import Iterator
+from importlib import resources
+from pathlib import Path
 
 import pytest
 from fastapi import FastAPI, Request
@@ -19,7 +21,7 @@ from fastapi.responses import JSONResponse
 
 from benchmarks.fake_upstream import serve_in_thread
 from services.eval.cli import add_eval_parser, main, run_eval
-from services.eval.data import load_problems
+from services.eval.data import load_problems, read_jsonl
 from services.eval.prompts import STOP, build_prompt, fewshot_prefix
 
 _LAST_QUESTION = re.compile(r"Question: ((?:(?!Question: ).)*)\nAnswer:$", re.S)
@@ -307,8 +309,7 @@ def test_argument_validation() -> None:
     ):
         with pytest.raises(SystemExit):
             parse("gsm8k", "--endpoint", "http://x", *bad)
-    with pytest.raises(SystemExit):
-        parse("gsm8k")  # --endpoint is required
+    assert run_eval(parse("gsm8k")) == 2  # --endpoint is required, unless --export-jsonl
     args = parse("gsm8k", "--endpoint", "http://x")
     assert (args.shots, args.max_tokens, args.tolerance, args.min_agreement, args.dataset, args.limit) == (
         5,
@@ -318,3 +319,45 @@ def test_argument_validation() -> None:
         "gsm8k",
         None,
     )
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def test_export_jsonl_writes_the_problems_in_gsm8k_format_for_other_tools(tmp_path, capsys) -> None:
+    out = tmp_path / "new" / "synthetic"  # made, with its parent
+    assert main(["gsm8k", "--dataset", "synthetic", "--seed", "3", "--limit", "7", "--export-jsonl", str(out)]) == 0
+    assert capsys.readouterr().out == "", "export only: no evaluation"
+    test, train = _rows(out / "test.jsonl"), _rows(out / "train.jsonl")
+    asked = load_problems("synthetic", "test", limit=7, seed=3)
+    assert test == [p.to_json() for p in asked]
+    assert train == [p.to_json() for p in load_problems("synthetic", "train", seed=3)]
+    # GSM8K's own rows: the same two keys, a worked answer that ends in "#### N".
+    with resources.as_file(resources.files("services.eval") / "data" / "gsm8k" / "test.jsonl") as vendored:
+        gsm8k_keys = set(_rows(vendored)[0])
+    assert all(set(row) == gsm8k_keys == {"question", "answer"} for row in test + train)
+    assert all(re.search(r"\n#### [\d,]+$", row["answer"]) for row in test + train)
+    assert not {r["question"] for r in test} & {r["question"] for r in train}
+    # A tool that takes the first 5 train rows as shots builds the prompts this command sends.
+    shots = load_problems("synthetic", "train", limit=5, seed=3)
+    exported = read_jsonl(out / "test.jsonl")
+    ours = [build_prompt(fewshot_prefix(shots), p) for p in asked]
+    assert [build_prompt(fewshot_prefix(read_jsonl(out / "train.jsonl")[:5]), p) for p in exported] == ours
+
+
+def test_export_jsonl_and_evaluate_in_one_run(servers, tmp_path) -> None:
+    url, fake = servers
+    fake.requests.clear()
+    args = parse("gsm8k", "--endpoint", url + "/right", "--dataset", "synthetic", "--limit", "4", "--shots", "1",
+                 "--export-jsonl", str(tmp_path))  # fmt: skip
+    assert run_eval(args) == 0
+    assert len(_rows(tmp_path / "test.jsonl")) == len(fake.requests) == 4
+
+
+def test_help_says_how_to_export_the_problems() -> None:
+    parser = argparse.ArgumentParser(prog="hybrid-pd")
+    (gsm8k,) = add_eval_parser(parser.add_subparsers())._subparsers._group_actions[0].choices.values()
+    text = " ".join(gsm8k.format_help().split())
+    assert "--export-jsonl DIR" in text and "--dataset synthetic" in text
+    assert "DIR/test.jsonl" in text and "DIR/train.jsonl" in text and "'#### N'" in text

@@ -15,7 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from services.common.arg_types import at_least
+from services.common import checks
+from services.common.arg_types import at_least, checked
 
 if TYPE_CHECKING:
     from services.bench.report import BenchReport
@@ -27,13 +28,6 @@ log = logging.getLogger("hybrid_pd.bench")
 
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
 DEFAULT_WARMUP = 1
-
-
-def _positive(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
 
 
 def _loads(kind: str) -> Callable[[str], list[Load]]:
@@ -67,8 +61,10 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--endpoint", required=True, metavar="URL", help="the server to measure, e.g. the router")
-    p.add_argument("--baseline", metavar="URL", help="a server to measure beside it, e.g. colocated vLLM")
+    url, positive = checked(str, checks.http_url), checked(float, checks.positive)
+    output = checked(Path, checks.output_file)
+    p.add_argument("--endpoint", type=url, required=True, metavar="URL", help="the server to measure, e.g. the router")
+    p.add_argument("--baseline", type=url, metavar="URL", help="a server to measure beside it, e.g. colocated vLLM")
     load = p.add_mutually_exclusive_group(required=True)
     load.add_argument(
         "--concurrency",
@@ -87,10 +83,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-len", type=at_least(1), required=True, metavar="N", help="prompt tokens per request")
     p.add_argument("--output-len", type=at_least(1), required=True, metavar="M", help="output tokens per request")
     p.add_argument("--num-prompts", type=at_least(1), required=True, metavar="K", help="requests per level and target")
-    p.add_argument("--slo-ttft-ms", type=_positive, metavar="X", help="goodput: time to first token at most X ms")
-    p.add_argument("--slo-itl-ms", type=_positive, metavar="Y", help="goodput: mean inter-token latency at most Y ms")
-    p.add_argument("--json", dest="json_out", type=Path, metavar="OUT", help="write the report (every request too)")
-    p.add_argument("--plot", type=Path, metavar="OUT.png", help="draw latency against load (needs matplotlib)")
+    p.add_argument("--slo-ttft-ms", type=positive, metavar="X", help="goodput: time to first token at most X ms")
+    p.add_argument("--slo-itl-ms", type=positive, metavar="Y", help="goodput: mean inter-token latency at most Y ms")
+    p.add_argument("--json", dest="json_out", type=output, metavar="OUT", help="write the report (every request too)")
+    p.add_argument("--plot", type=output, metavar="OUT.png", help="draw latency against load (needs matplotlib)")
     p.add_argument("--model", help="model name to request (default: the first of each target's /v1/models)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts and of the arrival times (default 0)")
     p.add_argument(
@@ -109,7 +105,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--request-timeout-s",
-        type=float,
+        type=positive,
         default=DEFAULT_REQUEST_TIMEOUT_S,
         help=f"per request (default {DEFAULT_REQUEST_TIMEOUT_S:g})",
     )
@@ -196,10 +192,10 @@ async def _bench(args: argparse.Namespace) -> BenchReport:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m services.bench ...``: the ``bench`` subcommand without the rest of ``hybrid-pd``."""
-    from services.common.logs import configure_logging
+    from services.common.logs import add_log_level_flag, configure_logging
 
     parser = argparse.ArgumentParser(prog="python -m services.bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--log-level", default="INFO")
+    add_log_level_flag(parser)
     _add_arguments(parser)
     args = parser.parse_args(argv)
     configure_logging(args.log_level)

@@ -6,11 +6,14 @@ on call can grep one request across the router and the workers.
 
 from __future__ import annotations
 
+import argparse
 import contextvars
 import logging
 import sys
 
-__all__ = ["request_id_var", "configure_logging", "kv"]
+__all__ = ["LOG_LEVELS", "add_log_level_flag", "request_id_var", "configure_logging", "kv"]
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
 
@@ -19,6 +22,11 @@ class _RequestIdFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         record.request_id = request_id_var.get()
         return True
+
+
+def add_log_level_flag(parser: argparse.ArgumentParser) -> None:
+    """``--log-level`` of a command line, any case; another word is a usage error, not a traceback."""
+    parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="default INFO")
 
 
 def configure_logging(level: str = "INFO") -> None:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-__all__ = ["free_port", "spawn", "stop_group", "wait_http_ok"]
+__all__ = ["free_port", "listen_problem", "spawn", "stop_group", "wait_http_ok"]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -62,6 +62,21 @@ def free_port(host: str = "127.0.0.1") -> int:
         _handed_out.add(port)
         return port
     raise OSError(f"no free TCP port on {host} outside the ephemeral range {ephemeral.start}-{ephemeral.stop - 1}")
+
+
+def listen_problem(host: str, port: int) -> str | None:
+    """Why a server could not listen on ``host:port`` now (in use, not an address of this machine), or None.
+
+    Binds as servers do (``SO_REUSEADDR``, like uvicorn), so connections of a server that just
+    stopped, still in TIME_WAIT, do not count as the port being in use.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            return f"{host}:{port}: {exc.strerror or exc}"
+    return None
 
 
 def spawn(argv: list[str], env: dict[str, str] | None = None, log: IO[bytes] | Path | int | None = None) -> subprocess.Popen:

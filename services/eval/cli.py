@@ -16,7 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from services.common.arg_types import at_least
+from services.common import checks
+from services.common.arg_types import at_least, checked
 
 if TYPE_CHECKING:
     from services.eval.data import Problem
@@ -60,17 +61,30 @@ def _add_tasks(parser: argparse.ArgumentParser) -> None:
         description=(
             "Ask ENDPOINT (and BASELINE) the GSM8K test questions through /v1/completions, score them like "
             "lm-eval's gsm8k task (strict-match, flexible-extract) and compare the two. Exit codes: 0 passed, "
-            "1 the accuracy difference or the agreement failed the gate, 3 requests failed."
+            "1 the accuracy difference or the agreement failed the gate, 2 bad usage, 3 requests failed."
+        ),
+        epilog=(
+            "Exporting the problems for other tools: `hybrid-pd eval gsm8k --dataset synthetic --limit 200 "
+            "--export-jsonl DIR` writes DIR/test.jsonl (the questions this command would ask: --dataset, --seed, "
+            "--limit) and DIR/train.jsonl (the train split; the --shots examples are its first lines) in GSM8K's "
+            "JSONL format: one {\"question\": ..., \"answer\": ...} object a line, each answer ending in "
+            "'#### N'. Tools that read GSM8K from files take them as they are, e.g. lm_eval's gsm8k task copied "
+            "with dataset_path: json, dataset_name: null and dataset_kwargs: {data_files: {train: DIR/train.jsonl, "
+            "test: DIR/test.jsonl}}. Without --endpoint it only writes the files; with it, it also evaluates."
         ),
     )
+    url = checked(str, checks.http_url)
     p.add_argument(
         "--endpoint",
-        required=True,
+        type=url,
         metavar="URL",
-        help="the server to evaluate, e.g. the P/D router http://router:8000",
+        help="the server to evaluate, e.g. the P/D router http://router:8000 (required unless --export-jsonl)",
     )
     p.add_argument(
-        "--baseline", metavar="URL", help="a server to compare with, e.g. colocated vLLM http://colocated:8000"
+        "--baseline",
+        type=url,
+        metavar="URL",
+        help="a server to compare with, e.g. colocated vLLM http://colocated:8000",
     )
     p.add_argument("--limit", type=at_least(1), metavar="N", help="only the first N test questions (default: all)")
     p.add_argument(
@@ -90,7 +104,7 @@ def _add_tasks(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--json",
         dest="json_out",
-        type=Path,
+        type=checked(Path, checks.output_file),
         metavar="OUT",
         help="write every question's prompt, generations and scores here",
     )
@@ -125,9 +139,15 @@ def _add_tasks(parser: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--request-timeout-s",
-        type=float,
+        type=checked(float, checks.positive),
         default=DEFAULT_REQUEST_TIMEOUT_S,
         help=f"per request (default {DEFAULT_REQUEST_TIMEOUT_S:g})",
+    )
+    p.add_argument(
+        "--export-jsonl",
+        type=checked(Path, checks.output_dir),
+        metavar="DIR",
+        help="write the problems as GSM8K-format DIR/test.jsonl and DIR/train.jsonl for other tools (see below)",
     )
 
 
@@ -144,6 +164,7 @@ def _run_gsm8k(args: argparse.Namespace) -> int:
     from services.eval.prompts import STOP, build_prompt, fewshot_prefix
     from services.eval.report import (
         EXIT_ERRORS,
+        EXIT_OK,
         EXIT_USAGE,
         Gate,
         RunInfo,
@@ -153,11 +174,18 @@ def _run_gsm8k(args: argparse.Namespace) -> int:
         write_json,
     )
 
+    if args.endpoint is None and args.export_jsonl is None:
+        log.error("give --endpoint URL (the server to evaluate), or --export-jsonl DIR to only write the problems")
+        return EXIT_USAGE
     problems = load_problems(args.dataset, "test", limit=args.limit, seed=args.seed)
     shots = load_problems(args.dataset, "train", limit=args.shots, seed=args.seed) if args.shots else []
     if len(shots) < args.shots:
         log.error("the %s train split has only %d problems for --shots %d", args.dataset, len(shots), args.shots)
         return EXIT_USAGE
+    if args.export_jsonl is not None:
+        _export(args.export_jsonl, problems, load_problems(args.dataset, "train", seed=args.seed))
+        if args.endpoint is None:
+            return EXIT_OK
     prefix = fewshot_prefix(shots)
     prompts = [build_prompt(prefix, problem) for problem in problems]
     info = RunInfo(
@@ -184,6 +212,16 @@ def _run_gsm8k(args: argparse.Namespace) -> int:
         write_json(json_report(info, problems, prompts, runs, comparison, gate, verdict), args.json_out)
         log.info("wrote %s", args.json_out)
     return verdict.exit_code
+
+
+def _export(folder: Path, test: Sequence[Problem], train: Sequence[Problem]) -> None:
+    """The problems as GSM8K's files: ``test.jsonl`` (the questions asked) and ``train.jsonl`` (the shots' split)."""
+    from services.eval.data import write_jsonl
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, problems in (("test", test), ("train", train)):
+        write_jsonl(problems, folder / f"{name}.jsonl")
+        log.info("wrote %d problems to %s", len(problems), folder / f"{name}.jsonl")
 
 
 async def _ask_all(
@@ -219,10 +257,10 @@ async def _ask_all(
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m services.eval ...``: the ``eval`` subcommand without the rest of ``hybrid-pd``."""
-    from services.common.logs import configure_logging
+    from services.common.logs import add_log_level_flag, configure_logging
 
     parser = argparse.ArgumentParser(prog="python -m services.eval", description=__doc__.splitlines()[0])
-    parser.add_argument("--log-level", default="INFO")
+    add_log_level_flag(parser)
     _add_tasks(parser)
     args = parser.parse_args(argv)
     configure_logging(args.log_level)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from services.common import checks
 from services.router.policies import POLICIES
 
 __all__ = ["RouterSettings"]
@@ -44,6 +45,9 @@ class RouterSettings(BaseSettings):
     max_body_bytes: int = Field(8 * 1024 * 1024, gt=0)
     max_concurrency: int = Field(512, ge=1)
     max_concurrency_per_worker: int = Field(128, ge=1)
+
+    _port = field_validator("port")(checks.tcp_port)
+    _timeouts = field_validator("connect_timeout_s", "request_timeout_s")(checks.positive)
 
     @field_validator("prefill", "decode")
     @classmethod

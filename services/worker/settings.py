@@ -11,11 +11,12 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Annotated
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from connector.launch import Device, Role, WorkerSpec
 from connector.topology import rdma_devices
+from services.common import checks
 from services.common.cli_flags import ENV_ONLY, Flag
 from services.default_model import resolve_model
 
@@ -63,6 +64,15 @@ class WorkerSettings(BaseSettings):
     heartbeat_interval_s: Annotated[float, ENV_ONLY] = Field(5.0, description="seconds between heartbeats to the router")
     drain_timeout_s: float = Field(30.0, description="on SIGTERM, wait this long for in-flight requests")
     vllm_args: Annotated[tuple[str, ...], Flag("--vllm-arg")] = Field((), description="extra vLLM argument (repeatable)")
+
+    # What each value must be, refused before vLLM starts (services/common/checks.py).
+    _ports = field_validator("port", "side_channel_port")(checks.tcp_port)
+    _dtype = field_validator("dtype")(checks.one_of("auto", "half", "float16", "bfloat16", "float", "float32"))
+    _counts = field_validator("tensor_parallel_size", "max_model_len", "max_num_seqs", "kv_cache_memory_bytes", "kv_lease_s")(checks.positive)  # fmt: skip
+    _memory = field_validator("gpu_memory_utilization")(checks.fraction)
+    _seconds = field_validator("ready_timeout_s", "heartbeat_interval_s")(checks.positive)
+    _drain = field_validator("drain_timeout_s")(checks.not_negative)
+    _urls = field_validator("router_url", "advertise_url")(checks.http_url)
 
     def spec(self, role: Role) -> WorkerSpec:
         """The connector's view of this worker (builds the default model if none is set).
