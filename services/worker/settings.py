@@ -9,7 +9,7 @@ and :meth:`WorkerSettings.spec` hands the ones the connector needs to
 from __future__ import annotations
 
 from dataclasses import fields
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -55,6 +55,11 @@ class WorkerSettings(BaseSettings):
     )
     nixl_trace_dir: str | None = Field(
         None, description="record every NIXL transfer into this folder (benchmarks/nixl_floor.py replays it)"
+    )
+    decode_row_fix: Literal["auto", "connector", "piecewise"] = Field(
+        "auto",
+        description="decode: where vLLM lacks the decode-row reclassification of token N, auto picks our connector's "
+        "copy, else PIECEWISE CUDA graphs; connector or piecewise use that one regardless",
     )
     router_url: str | None = Field(None, description="register with this router (admin API) and heartbeat")
     advertise_url: str | None = Field(None, description="the URL the router reaches this worker's vLLM server at")
