@@ -113,14 +113,27 @@ def metrics_of(url: str, name: str) -> float:
     return metric_sum(httpx.get(url + "/metrics", timeout=10).text, name)
 
 
+def _cudagraph_tables(log: Path) -> list[list[tuple[int, int, str, int]]]:
+    """Every CUDAGraph Stats table vLLM logged in ``log`` (one per stats interval), as (unpadded, padded, mode, count) rows."""
+    tables = log.read_text(errors="replace").split("**CUDAGraph Stats:**")[1:]
+    row = r"\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*\d+\s*\|\s*([A-Za-z_.]+)\s*\|\s*(\d+)\s*\|"
+    return [[(int(a), int(b), mode, int(c)) for a, b, mode, c in re.findall(row, table)] for table in tables]
+
+
 def cudagraph_rows(log: Path) -> list[tuple[int, int, str, int]]:
     """(unpadded, padded, mode, count) rows of vLLM's last CUDAGraph Stats table in ``log``."""
-    text = log.read_text(errors="replace")
-    tables = text.split("**CUDAGraph Stats:**")
-    if len(tables) < 2:
-        return []
-    rows = re.findall(r"\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*\d+\s*\|\s*([A-Za-z_.]+)\s*\|\s*(\d+)\s*\|", tables[-1])
-    return [(int(a), int(b), mode, int(c)) for a, b, mode, c in rows]
+    tables = _cudagraph_tables(log)
+    return tables[-1] if tables else []
+
+
+def cudagraph_steps_by_mode(log: Path) -> dict[str, int]:
+    """Steps per CUDA-graph mode (FULL, PIECEWISE, NONE) over every stats table in ``log``."""
+    steps: dict[str, int] = {}
+    for table in _cudagraph_tables(log):
+        for _unpadded, _padded, mode, count in table:
+            name = mode.removeprefix("CUDAGraphMode.")
+            steps[name] = steps.get(name, 0) + count
+    return steps
 
 
 def completion(url: str, model: str, prompt, max_tokens: int) -> dict:
