@@ -224,3 +224,20 @@ def test_the_lease_is_checked_before_a_pull_where_vllm_cannot_report_a_failed_on
     assert pull(60.0) == (9, True)
     assert pull(2.0) == (0, False)  # too little lease left: recompute locally
     assert pull(-5.0) == (0, False)
+
+
+def test_a_kept_result_is_only_reused_for_the_same_installation_and_arguments(tmp_path, monkeypatch):
+    from connector import capabilities
+
+    monkeypatch.setenv("HYBRID_PD_HOME", str(tmp_path))
+    key = capabilities._fingerprint("decode", "cuda", "auto", {})
+    assert capabilities._fingerprint("decode", "cuda", "auto", {}) == key
+    assert capabilities._fingerprint("decode", "cpu", "auto", {}) != key
+    assert capabilities._fingerprint("decode", "cuda", "connector", {}) != key
+    assert capabilities._fingerprint("decode", "cuda", "auto", {"PYTHONPATH": str(tmp_path)}) != key  # e.g. a sitecustomize
+    assert capabilities._fingerprint("decode", "cuda", "auto", {"VLLM_SSM_CONV_STATE_LAYOUT": "SD"}) != key
+    kept = Report("0.32.0", (Finding(DECODE_ROW, "vllm"),))
+    path = tmp_path / "capabilities" / f"decode-cuda-{key}.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(kept.to_json()))
+    assert capabilities.checked("decode", "cuda", "auto", {}) == (kept, True)
