@@ -117,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--max-concurrency-per-worker", type=int, help="legs in flight per worker before 429")
     router.add_argument("--max-body-bytes", type=int, help="larger request bodies get 413")
     router.add_argument("--health-interval-s", type=float, help="seconds between worker health checks")
+    router.add_argument("--migration-limit", type=int, help="times a completions stream may move to another decode worker (0: never)")
+    router.add_argument("--decode-stall-timeout-s", type=float, help="a decode stream with no byte for this long counts as broken")
     router.add_argument("--dry-run", action="store_true", help="print the resolved settings as JSON and exit")
 
     for role, summary in ROLES.items():

@@ -170,6 +170,33 @@ async def test_prompt_list_is_split_into_one_pair_per_prompt_and_merged_in_order
     assert kv_params == [KV, KV]
 
 
+async def test_n_choices_run_as_one_pair_each_seeded_as_vllm_seeds_them_with_each_prompt_counted_once(client, workers):
+    r = await client.post("/v1/completions", json={"model": "m", "prompt": ["a", "b"], "n": 2, "seed": 5, "max_tokens": 3})
+    assert r.status_code == 200
+    legs = sorted((w, body["prompt"], body["n"], body["seed"]) for w, body, _ in workers.calls)
+    assert legs == sorted((w, p, 1, s) for w in ("prefill", "decode") for p in "ab" for s in (5, 6))
+    answer = r.json()
+    assert [c["index"] for c in answer["choices"]] == [0, 1, 2, 3]
+    assert answer["usage"]["prompt_tokens"] == 10 and answer["usage"]["completion_tokens"] == 12
+    workers.calls.clear()
+    r = await client.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 3})
+    assert r.status_code == 200 and [c["index"] for c in r.json()["choices"]] == [0, 1, 2]
+    assert [(w, "seed" in body, body["n"]) for w, body, _ in workers.calls].count(("prefill", False, 1)) == 3
+
+
+async def test_more_choices_than_the_router_takes_in_flight_is_a_400_and_a_malformed_n_goes_to_vllm(workers):
+    app, c = await _router(workers, max_concurrency=4)
+    async with app.router.lifespan_context(app), c:
+        r = await c.post("/v1/completions", json={"model": "m", "prompt": ["a", "b", "c"], "n": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+        assert workers.calls == []
+        r = await c.post("/v1/completions", json={"model": "m", "prompt": "a", "n": 2, "temperature": 0})
+        assert r.status_code == 400 and r.json()["error"]["message"] == "n must be 1 when using greedy sampling, got 2."
+        for n in (0, "2", True, 1.5):
+            assert (await c.post("/v1/completions", json={"model": "m", "prompt": "a", "n": n})).status_code == 200
+        assert [body["n"] for w, body, _ in workers.calls if w == "prefill"] == [0, "2", True, 1.5]
+
+
 async def test_short_prompts_skip_the_prefill_leg_when_configured(workers):
     app, c = await _router(workers, local_prefill_below_tokens=100)
     async with app.router.lifespan_context(app), c:

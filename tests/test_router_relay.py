@@ -40,8 +40,8 @@ async def _chunks(chunks: list[bytes], breaks: bool = False) -> AsyncIterator[by
         raise httpx.ReadError("connection reset by peer")
 
 
-def _stream(chunks: list[bytes], prefill_usage: dict | None = PREFILL_USAGE, breaks: bool = False) -> DecodeStream:
-    return DecodeStream(_chunks(chunks, breaks), "http://decode.test:2", prefill_usage)
+def _stream(chunks: list[bytes], prefill_usage: dict | None = PREFILL_USAGE, breaks: bool = False, prompt: int = 0) -> DecodeStream:
+    return DecodeStream(_chunks(chunks, breaks), "http://decode.test:2", prefill_usage, prompt)
 
 
 async def _read(relayed: AsyncIterator[bytes]) -> list[bytes]:
@@ -82,8 +82,8 @@ async def test_a_stream_broken_mid_event_drops_the_partial_event_and_is_a_stream
 
 
 async def test_a_streamed_prompt_list_is_merged_with_indexes_in_prompt_order_and_one_usage():
-    streams = [_stream([_token(" a"), _usage_event(USAGE), b"data: [DONE]\n\n"]) for _ in range(2)]
-    events = _events(b"".join(await _read(relay_several(streams, {**STREAM, "n": 1}, "req-1"))))
+    streams = [_stream([_token(" a"), _usage_event(USAGE), b"data: [DONE]\n\n"], prompt=p) for p in range(2)]
+    events = _events(b"".join(await _read(relay_several(streams, STREAM, "req-1"))))
     assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
     chunks = [json.loads(e) for e in events[:-1]]
     assert sorted(c["choices"][0]["index"] for c in chunks if c["choices"]) == [0, 1]
@@ -92,12 +92,22 @@ async def test_a_streamed_prompt_list_is_merged_with_indexes_in_prompt_order_and
 
 
 async def test_merged_streams_are_cut_into_lines_at_line_ends_only_whatever_the_reads():
-    line_separator = _token(" a\u2028b", index=1)  # str.splitlines would cut a line here
+    line_separator = _token(" a\u2028b")  # str.splitlines would cut a line here
     streams = [_stream([_token(" x")[:9], _token(" x")[9:] + b"data: [DONE]\r\n\r\n"]), _stream([line_separator[:-1], line_separator[-1:]])]
-    events = _events(b"".join(await _read(relay_several(streams, {"prompt": ["x", "y"], "n": 2, "stream": True}, "req-1"))))
+    events = _events(b"".join(await _read(relay_several(streams, STREAM, "req-1"))))
     texts = {json.loads(e)["choices"][0]["index"]: json.loads(e)["choices"][0]["text"] for e in events[:-1]}
-    assert texts == {0: " x", 3: " a\u2028b"}, "indexes are renumbered prompt by prompt, n apart"
+    assert texts == {0: " x", 1: " a\u2028b"}, "stream i is choice i"
     assert events[-1] == "[DONE]"
+
+
+async def test_streamed_choices_of_two_prompts_count_each_prompt_once_in_the_usage():
+    """n=2 over two prompts: four one-choice streams, prompts 0, 0, 1, 1 (vLLM counts a prompt once for all its choices)."""
+    streams = [_stream([_token(" a"), _usage_event(USAGE), b"data: [DONE]\n\n"], prompt=p) for p in (0, 0, 1, 1)]
+    events = _events(b"".join(await _read(relay_several(streams, STREAM, "req-1"))))
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert sorted(c["choices"][0]["index"] for c in chunks if c["choices"]) == [0, 1, 2, 3]
+    usage = next(c["usage"] for c in chunks if "usage" in c)
+    assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (10, 8, 18)
 
 
 async def test_one_of_several_streams_breaking_is_a_stream_broke():
@@ -106,16 +116,16 @@ async def test_one_of_several_streams_breaking_is_a_stream_broke():
         await _read(relay_several(streams, STREAM, "req-1"))
 
 
-def test_whole_answers_are_merged_in_prompt_order_with_usages_summed():
-    answers = [{"id": "a", "choices": [{"index": i, "text": t} for i, t in enumerate(texts)], "usage": dict(USAGE)} for texts in (("p", "q"), ("r", "s"))]
-    merged = merge_answers(answers, [PREFILL_USAGE, PREFILL_USAGE], {"prompt": ["x", "y"], "n": 2})
+def test_whole_answers_are_merged_in_choice_order_with_each_prompt_counted_once():
+    answers = [{"id": "a", "choices": [{"index": 0, "text": t}], "usage": dict(USAGE)} for t in ("p", "q", "r", "s")]
+    merged = merge_answers(answers, [PREFILL_USAGE] * 4, prompts=[0, 0, 1, 1])
     assert [(c["index"], c["text"]) for c in merged["choices"]] == [(0, "p"), (1, "q"), (2, "r"), (3, "s")]
-    assert merged["id"] == "a" and merged["usage"] == {**MERGED, "prompt_tokens": 10, "completion_tokens": 4, "total_tokens": 14}
+    assert merged["id"] == "a" and merged["usage"] == {**MERGED, "prompt_tokens": 10, "completion_tokens": 8, "total_tokens": 18}
 
 
 def test_one_whole_answer_gets_the_prefill_usage():
     answer = {"choices": [{"index": 0, "text": " decoded"}], "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}}
-    assert merge_answers([answer], [PREFILL_USAGE], {})["usage"] == {**MERGED, "completion_tokens": 3, "total_tokens": 8}
+    assert merge_answers([answer], [PREFILL_USAGE], [0])["usage"] == {**MERGED, "completion_tokens": 3, "total_tokens": 8}
 
 
 def test_usage_prompt_from_prefill_completion_from_decode():

@@ -39,7 +39,7 @@ from services.router.pairing import Pairing, PromptLengthDecider
 from services.router.policies import make_policy
 from services.router.registry import Registry, Worker
 from services.router.relay import answer_whole, relay_answers
-from services.router.route import route_request
+from services.router.route import decode_chunks, route_request
 from services.router.settings import RouterSettings
 from services.router.state import RouterState
 from services.router.upstream import AiohttpTransport, Upstream
@@ -259,10 +259,11 @@ async def _generate(
             failed = next((r for r in routed if r.response.status_code != 200), None)
             whole: tuple[int, bytes] | None = None
             if failed is not None or not body.get("stream"):
-                whole = await answer_whole(routed, failed, body)
+                whole = await answer_whole(routed, failed)
             else:
                 await client.send({"type": "http.response.start", "status": 200, "headers": [_SSE_TYPE, id_header]})
-                await relay_answers(state.metrics, routed, body, arrived, route, client.send)
+                chunks_of = lambda answer: decode_chunks(state, path, answer, request_id)  # noqa: E731
+                await relay_answers(state.metrics, routed, chunks_of, body, arrived, route, client.send)
         # The message that completes the answer goes out after the block: from then on a server's
         # receive says http.disconnect, which the block would take for the client leaving.
         if whole is None:

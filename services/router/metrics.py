@@ -28,5 +28,8 @@ class RouterMetrics:
         self.inflight = Gauge("hybrid_pd_worker_inflight", "In-flight legs per worker", ["role", "url"], registry=r)
         self.fallbacks = Counter("hybrid_pd_fallbacks", "Requests served by the decode worker alone", ["reason"], registry=r)
         self.retries = Counter("hybrid_pd_retries", "Decode legs retried on another worker", registry=r)
+        self.migrations = Counter(
+            "hybrid_pd_migrations", "Streams carried to another decode worker after theirs broke or stalled", ["outcome"], registry=r
+        )
         self.evictions = Gauge("hybrid_pd_evictions", "Workers evicted after failed health checks (total)", registry=r)
         self.rejected = Counter("hybrid_pd_rejected", "Requests refused before routing", ["status"], registry=r)

@@ -19,7 +19,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,31 +51,32 @@ def merge_usage(prefill_usage: dict[str, Any] | None, decode_usage: dict[str, An
     return merged
 
 
-def merge_answers(answers: Sequence[dict], prefill_usages: Sequence[dict | None], body: dict) -> dict:
-    """One answer from whole decode answers, one per prompt of ``body`` in order, each given its prefill's usage.
+def merge_answers(answers: Sequence[dict], prefill_usages: Sequence[dict | None], prompts: Sequence[int]) -> dict:
+    """One answer from whole decode answers, one per choice in order, each given its prefill's usage.
 
-    The answers are changed in place: their usage becomes the merged one. Several answers
-    become the first with every choice renumbered in prompt order and the usages summed.
+    ``prompts[i]`` is the client's prompt that answer ``i`` is a choice of. The answers are
+    changed in place: their usage becomes the merged one. Several answers become the first
+    with choice ``i`` numbered ``i`` and the usages summed, each prompt counted once.
     """
     for answer, prefill_usage in zip(answers, prefill_usages, strict=True):
         answer["usage"] = merge_usage(prefill_usage, answer.get("usage"))
     if len(answers) == 1:
         return answers[0]
-    n = int(body.get("n") or 1)
     merged = dict(answers[0])
-    merged["choices"] = [
-        {**choice, "index": i * n + choice.get("index", 0)} for i, a in enumerate(answers) for choice in a["choices"]
-    ]
-    merged["usage"] = _sum_usage([a.get("usage") for a in answers])
+    merged["choices"] = [{**choice, "index": i} for i, a in enumerate(answers) for choice in a["choices"]]
+    merged["usage"] = _sum_usage([a.get("usage") for a in answers], prompts)
     return merged
 
 
-def _sum_usage(usages: Sequence[dict | None]) -> dict | None:
-    present = [u for u in usages if u]
+def _sum_usage(usages: Sequence[dict | None], prompts: Sequence[int]) -> dict | None:
+    """The usage of one request from its choices' usages: completion tokens summed, prompt tokens once per prompt."""
+    present = [(u, p) for u, p in zip(usages, prompts, strict=True) if u]
     if not present:
         return None
-    keys = ("prompt_tokens", "completion_tokens", "total_tokens")
-    return {**present[0], **{k: sum(u.get(k) or 0 for u in present) for k in keys}}
+    first_of_prompt = {p: u for u, p in reversed(present)}
+    prompt = sum(u.get("prompt_tokens") or 0 for u in first_of_prompt.values())
+    completion = sum(u.get("completion_tokens") or 0 for u, _ in present)
+    return {**present[0][0], "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,7 @@ class DecodeStream:
     chunks: AsyncIterator[bytes]
     worker: str
     prefill_usage: dict | None
+    prompt: int = 0  # which of the client's prompts this stream is a choice of
 
 
 class StreamBroke(Exception):
@@ -133,13 +135,12 @@ def _merge_usage_events(events: bytes, prefill_usage: dict) -> bytes:
 
 
 async def relay_several(streams: Sequence[DecodeStream], body: dict, answer_id: str) -> AsyncIterator[bytes]:
-    """Decode streams of one prompt of ``body`` each, merged event by event into one answer.
+    """Decode streams of one choice each, in the order of the client's choices, merged event by event into one answer.
 
-    Choice indexes are renumbered in prompt order and the usages summed into one final usage
-    event (id ``answer_id``, sent if ``body`` asked for usage), so every event is parsed here;
-    one ``[DONE]`` ends the answer. A stream that fails is :class:`StreamBroke`.
+    Stream ``i`` is choice ``i``; the usages are summed into one final usage event (id
+    ``answer_id``, sent if ``body`` asked for usage), so every event is parsed here; one
+    ``[DONE]`` ends the answer. A stream that fails is :class:`StreamBroke`.
     """
-    n = int(body.get("n") or 1)
     usages: list[dict | None] = [None] * len(streams)
     queue: asyncio.Queue[tuple[int, bytes | None | BaseException]] = asyncio.Queue()
 
@@ -172,11 +173,11 @@ async def relay_several(streams: Sequence[DecodeStream], body: dict, answer_id: 
                 usages[i] = merge_usage(streams[i].prefill_usage, event["usage"])
                 if not event.get("choices"):
                     continue  # the merged usage chunk goes out once, at the end
-            event["choices"] = [{**c, "index": i * n + c.get("index", 0)} for c in event.get("choices", [])]
+            event["choices"] = [{**c, "index": i} for c in event.get("choices", [])]
             event.pop("usage", None)
             yield b"data: " + dumps(event) + b"\n\n"
         if any(usages) and (body.get("stream_options") or {}).get("include_usage"):
-            tail = {"id": answer_id, "object": "text_completion", "choices": [], "usage": _sum_usage(usages)}
+            tail = {"id": answer_id, "object": "text_completion", "choices": [], "usage": _sum_usage(usages, [s.prompt for s in streams])}
             yield b"data: " + dumps(tail) + b"\n\n"
         yield b"data: [DONE]\n\n"
     finally:
@@ -202,26 +203,35 @@ async def _lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         yield pending
 
 
-async def answer_whole(routed: Sequence[Routed], failed: Routed | None, body: dict) -> tuple[int, bytes]:
+async def answer_whole(routed: Sequence[Routed], failed: Routed | None) -> tuple[int, bytes]:
     """A whole (non-streamed) answer, or the first failed answer's error as it came: (status, JSON). Closes every answer."""
     try:
         if failed is not None:
             return failed.response.status_code, await failed.response.aread()
         answers = [json.loads(await r.response.aread()) for r in routed]
-        return 200, dumps(merge_answers(answers, [r.prefill_usage for r in routed], body))
+        return 200, dumps(merge_answers(answers, [r.prefill_usage for r in routed], [r.prompt for r in routed]))
     finally:
         for r in routed:
             await r.aclose()
 
 
-async def relay_answers(metrics: RouterMetrics, routed: Sequence[Routed], body: dict, arrived: float, route: str, send: Send) -> None:
+async def relay_answers(
+    metrics: RouterMetrics,
+    routed: Sequence[Routed],
+    chunks_of: Callable[[Routed], AsyncIterator[bytes]],
+    body: dict,
+    arrived: float,
+    route: str,
+    send: Send,
+) -> None:
     """Stream the decode answer(s) to the client with merged usage, as ``http.response.body`` messages.
 
-    The answer's start has been sent, its end is the caller's. Cancelling this (client gone)
-    closes every upstream stream, which makes vLLM abort the request. ``route`` labels the
-    request in the metrics; ``arrived`` is when it reached the router.
+    ``chunks_of(answer)`` gives the bytes of one open answer (the route layer's: they may
+    come from a migrated stream). The answer's start has been sent, its end is the caller's.
+    Cancelling this (client gone) closes every upstream stream, which makes vLLM abort the
+    request. ``route`` labels the request in the metrics; ``arrived`` is when it reached the router.
     """
-    streams = [DecodeStream(r.response.aiter_bytes(), r.worker.url, r.prefill_usage) for r in routed]
+    streams = [DecodeStream(chunks_of(r), r.worker.url, r.prefill_usage, r.prompt) for r in routed]
     if len(streams) == 1:
         chunks = relay_one(streams[0])
     else:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -21,11 +22,12 @@ import httpx
 from services.common.logs import kv
 from services.common.openai_errors import OpenAIError
 from services.router.legs import LegEncoder, decode_body, prefill_body
+from services.router.migration import Opened, is_migratable, migrating_chunks, with_stall_timeout, with_token_ids
 from services.router.policies import RequestInfo
 from services.router.registry import Lease, Worker
 from services.router.state import RouterState
 
-__all__ = ["PrefillOutcome", "Routed", "route", "route_request"]
+__all__ = ["PrefillOutcome", "Routed", "decode_chunks", "route", "route_request"]
 
 log = logging.getLogger("hybrid_pd.router")
 
@@ -44,6 +46,8 @@ class Routed:
     prefill_usage: dict | None
     lease: Lease | None
     sent_at: float
+    prompt: int = 0  # which prompt of the client's request this answers (its choices share that prompt's usage)
+    migratable: dict[str, Any] | None = None  # the client's request for this choice, when its stream can migrate
 
     async def aclose(self) -> None:
         """Stop counting the leg and close its answer (a decode worker whose connection closes aborts the request)."""
@@ -70,18 +74,27 @@ class PrefillOutcome:
 
 _FAILED = PrefillOutcome("failed")
 
+# Below this temperature vLLM samples greedily (its ``_SAMPLING_EPS``).
+_GREEDY_BELOW = 1e-5
+
 
 async def route_request(state: RouterState, path: str, body: dict[str, Any], request_id: str) -> list[Routed]:
-    """The open answers for ``body``: one, or one per prompt of a completions request with several, in order.
+    """The open answers for ``body``, one per choice the client asked for, in the order of its choices.
 
-    Each prompt gets its own pair: a shared ``remote_block_ids`` breaks vLLM.
+    A request for one choice of one prompt is one pair. Several prompts (completions) or
+    ``n > 1`` run as one pair per prompt and choice, each asking for one choice: vLLM gives
+    the decode worker's pulls of one prefill's state to every choice of a request, while that
+    prefill frees the state at the first pull's notice (several choices read freed blocks,
+    and the prefill held state for the choices it sampled itself until its lease ran out).
+    Choice ``j`` of a seeded request gets ``seed + j``, as vLLM seeds the choices of one
+    request, so the answers are the colocated ones.
     """
-    if path != "/v1/completions" or not _is_prompt_list(body):
-        return [await route(state, path, body, request_id)]
-    bodies = [{**body, "prompt": p} for p in body["prompt"]]
-    tasks = [asyncio.ensure_future(route(state, path, b, f"{request_id}-{i}")) for i, b in enumerate(bodies)]
+    bodies = _one_choice_each(path, body, state.settings.max_concurrency)
+    if bodies is None:
+        return [await _route_choice(state, path, body, request_id)]
+    tasks = [asyncio.ensure_future(_route_choice(state, path, b, f"{request_id}-{i}")) for i, (_, b) in enumerate(bodies)]
     try:
-        return list(await asyncio.gather(*tasks))
+        routed = list(await asyncio.gather(*tasks))
     except BaseException:
         for task in tasks:
             task.cancel()
@@ -89,6 +102,70 @@ async def route_request(state: RouterState, path: str, body: dict[str, Any], req
             if task.done() and not task.cancelled() and task.exception() is None:
                 await task.result().aclose()
         raise
+    for answer, (prompt, _) in zip(routed, bodies, strict=True):
+        answer.prompt = prompt
+    return routed
+
+
+async def _route_choice(state: RouterState, path: str, body: dict[str, Any], request_id: str) -> Routed:
+    """One choice's pair; a stream that can migrate asks for its token ids and remembers the client's request."""
+    if state.settings.migration_limit == 0 or not is_migratable(path, body):
+        return await route(state, path, body, request_id)
+    routed = await route(state, path, with_token_ids(body), request_id)
+    routed.migratable = body
+    return routed
+
+
+def decode_chunks(state: RouterState, path: str, routed: Routed, request_id: str) -> AsyncIterator[bytes]:
+    """The bytes of a streamed decode answer: carried to another worker when it breaks or stalls, if it can migrate.
+
+    One that cannot is still cut off when it stalls, so a frozen worker ends the client's
+    stream with an error event instead of holding it open.
+    """
+    settings, worker = state.settings, routed.worker
+    if routed.migratable is None:
+        return with_stall_timeout(routed.response.aiter_bytes(), settings.decode_stall_timeout_s)
+
+    async def reroute(body: dict[str, Any], avoid: set[str]) -> Opened:
+        following = await route(state, path, body, f"{request_id}-migrated", avoid)
+        if following.response.status_code != 200:
+            log.warning("migration refused %s", kv(worker=following.worker.url, status=following.response.status_code))
+            await following.aclose()
+            raise OpenAIError(502, "the continuation was refused")
+        return Opened(following.response.aiter_bytes(), following.worker.id, following.worker.url, following.aclose)
+
+    first = Opened(routed.response.aiter_bytes(), worker.id, worker.url, routed.aclose)
+    counted = lambda outcome: state.metrics.migrations.labels(outcome).inc()  # noqa: E731
+    return migrating_chunks(first, routed.migratable, reroute, settings.migration_limit, settings.decode_stall_timeout_s, counted)
+
+
+def _one_choice_each(path: str, body: dict[str, Any], limit: int) -> list[tuple[int, dict[str, Any]]] | None:
+    """``body`` as one request per prompt and choice, each with its prompt's index; None when it asks for one choice.
+
+    A malformed ``n`` or prompt list is not split: vLLM answers it with its own 400.
+    """
+    n = body.get("n", 1)
+    n = n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
+    prompts = body["prompt"] if path == "/v1/completions" and _is_prompt_list(body) else None
+    if n == 1 and prompts is None:
+        return None
+    temperature = body.get("temperature")
+    if n > 1 and isinstance(temperature, (int, float)) and temperature < _GREEDY_BELOW:
+        # vLLM's own rule (SamplingParams), which one-choice requests would no longer meet; its words.
+        raise OpenAIError(400, f"n must be 1 when using greedy sampling, got {n}.", param="n")
+    count = n * (len(prompts) if prompts is not None else 1)
+    if count > limit:
+        raise OpenAIError(400, f"{count} choices (prompts x n) exceed the router's {limit} requests in flight", param="n")
+    seed = body.get("seed")
+    seeded = isinstance(seed, int) and not isinstance(seed, bool)
+    out = []
+    for i, prompt in enumerate(prompts if prompts is not None else [None]):
+        for j in range(n):
+            one = {**body, "n": 1} if prompt is None else {**body, "prompt": prompt, "n": 1}
+            if seeded:
+                one["seed"] = seed + j
+            out.append((i, one))
+    return out
 
 
 def _is_prompt_list(body: dict[str, Any]) -> bool:
@@ -104,14 +181,17 @@ def _is_prompt_list(body: dict[str, Any]) -> bool:
     )
 
 
-async def route(state: RouterState, path: str, body: dict[str, Any], request_id: str) -> Routed:
-    """Choose the pair, run the prefill leg and open the decode leg (retried once before its first byte)."""
+async def route(state: RouterState, path: str, body: dict[str, Any], request_id: str, avoid: Collection[str] = ()) -> Routed:
+    """Choose the pair, run the prefill leg and open the decode leg (retried once before its first byte).
+
+    ``avoid``: ids of decode workers not to use (a migrating stream's failed ones).
+    """
     started = time.perf_counter()
     pairing, metrics = state.pairing, state.metrics
     info = RequestInfo.from_body(body, state.settings.prefix_affinity_chars)
     encoder = LegEncoder(body)
     headers = {"X-Request-Id": request_id}
-    tried: set[str] = set()
+    tried: set[str] = set(avoid)
     prefill_s = 0.0
     for attempt in range(2):
         if not pairing.decode_available():

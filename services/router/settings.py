@@ -35,6 +35,11 @@ class RouterSettings(BaseSettings):
     prefill_policy: str = "least_outstanding"
     prefix_affinity_chars: int = 256
     local_prefill_below_tokens: int = Field(0, ge=0, description="prompts estimated shorter skip the prefill leg")
+    # Streams whose decode worker fails (services/router/migration.py)
+    migration_limit: int = Field(1, ge=0, description="times a completions stream may move to another decode worker; 0: never")
+    decode_stall_timeout_s: float = Field(
+        30.0, gt=0, description="a decode stream with no byte for this long counts as broken (a frozen or hung worker)"
+    )
     # Health
     health_interval_s: float = Field(2.0, gt=0)
     eviction_failures: int = Field(3, ge=1)

@@ -158,13 +158,18 @@ def test_decode_output_depends_on_the_transferred_state(prefill_worker, decode_w
     """
     model = stack.config.served_model_name
     prompt_a, prompt_b = _ids(60, start=1), _ids(60, start=200)
-    prefill = prefill_worker.post(
-        "/v1/completions",
-        json={"model": model, "prompt": prompt_a, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
-    ).json()
     decode_b = {"model": model, "prompt": prompt_b, "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True, "ignore_eos": True}
-    crossed = decode_worker.post("/v1/completions", json={**decode_b, "kv_transfer_params": prefill["kv_transfer_params"]})
-    crossed_tokens = crossed.json()["choices"][0]["token_ids"]
+    log = stack.log_path("decode-0")
+    for _ in range(3):  # a pull that outlived the lease (a starved machine) is recomputed: B's own answer, no conclusion
+        recomputed = log.read_text().count("after the prefill's KV lease ran out")
+        prefill = prefill_worker.post(
+            "/v1/completions",
+            json={"model": model, "prompt": prompt_a, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
+        ).json()
+        crossed = decode_worker.post("/v1/completions", json={**decode_b, "kv_transfer_params": prefill["kv_transfer_params"]})
+        crossed_tokens = crossed.json()["choices"][0]["token_ids"]
+        if log.read_text().count("after the prefill's KV lease ran out") == recomputed:
+            break
 
     def colocated_tokens(prompt):
         answer = colocated.post("/v1/completions", json={**decode_b, "prompt": prompt}).json()
@@ -220,5 +225,33 @@ def test_openai_options_answer_as_colocated(extra, router, colocated, stack):
 def test_a_mixed_prompt_list_gets_vllms_own_400(router, colocated, stack):
     body = {"model": stack.config.served_model_name, "prompt": ["Hello", [17, 42]], "max_tokens": 4}
     routed, baseline = router.post("/v1/completions", json=body), colocated.post("/v1/completions", json=body)
+    assert routed.status_code == baseline.status_code == 400
+    assert routed.json()["error"]["message"] == baseline.json()["error"]["message"]
+
+
+def test_n_choices_answer_as_colocated_and_leave_no_prefill_state_behind(router, colocated, prefill_worker, stack):
+    """Before: with n=2 the prefill held state for a choice nobody pulled (30 s, its lease) and logged
+    'Potentially invalid KV blocks for unrecognized request 1_cmpl-...'. Now each choice is its own pair."""
+    model = stack.config.served_model_name
+    log = stack.log_path("prefill-0")
+    unrecognized = log.read_text().count("unrecognized request")
+    idle_kv = metric(prefill_worker, "vllm:kv_cache_usage_perc")
+    bodies = [
+        ("/v1/completions", {"prompt": "Question: Maya has 41 beads.", "n": 3, "temperature": 0.8, "seed": 11}),
+        ("/v1/completions", {"prompt": ["Hello world", "Question: x"], "n": 2, "temperature": 0.7, "seed": 5}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "n": 2, "temperature": 0.9, "seed": 3}),
+    ]
+    for path, extra in bodies:
+        body = {"model": model, "max_tokens": 8, "ignore_eos": True, **extra}
+        routed, baseline = router.post(path, json=body), colocated.post(path, json=body)
+        assert routed.status_code == baseline.status_code == 200, routed.text
+        pick = lambda answer: [(c["index"], c.get("text") or c["message"]["content"]) for c in answer["choices"]]  # noqa: E731
+        assert pick(routed.json()) == pick(baseline.json())
+        usage = lambda answer: (answer["usage"]["prompt_tokens"], answer["usage"]["completion_tokens"])  # noqa: E731
+        assert usage(routed.json()) == usage(baseline.json())
+    assert wait_for(lambda: metric(prefill_worker, "vllm:kv_cache_usage_perc") <= idle_kv, timeout_s=10), "prefill still holds state"
+    assert log.read_text().count("unrecognized request") == unrecognized
+    greedy = {"model": model, "prompt": "Hello", "n": 2, "temperature": 0, "max_tokens": 4}
+    routed, baseline = router.post("/v1/completions", json=greedy), colocated.post("/v1/completions", json=greedy)
     assert routed.status_code == baseline.status_code == 400
     assert routed.json()["error"]["message"] == baseline.json()["error"]["message"]
