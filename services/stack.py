@@ -118,15 +118,36 @@ class Stack:
         for service in self.services:
             self._procs[service.name] = spawn(service.argv, log=self.log_path(service.name))
         for service in self.services:
-            proc = self._procs[service.name]
-            if not wait_http_ok(service.health, lambda: proc.poll() is None, self.config.ready_timeout_s):
-                self.stop()
-                raise StackError(f"{service.name} did not become ready; see {self.log_path(service.name)}")
-            if service.name == "router":
-                self._wait_until_router_routes_to_all(service)
-            else:
-                self._check_identity(service)
-            log.info("ready %s", kv(service=service.name, url=service.url))
+            self._await_ready(service)
+
+    def restart(self, name: str) -> None:
+        """Start service ``name`` again (after a crash, in fault tests), same command and ports; :meth:`wait_ready` waits for it.
+
+        Call it from a thread that lives as long as the stack: a child gets SIGTERM when the
+        thread that started it ends (``PR_SET_PDEATHSIG``), so a restart from a short-lived
+        worker thread was stopped again a moment after it came up (seen).
+        """
+        service = self._service(name)
+        stop_group(self._procs[name])  # whatever is left of the old one
+        self._procs[name] = spawn(service.argv, log=self.log_path(name))
+
+    def wait_ready(self, name: str) -> None:
+        """Wait until service ``name`` is ready (blocking: any thread may wait); StackError if it is not."""
+        self._await_ready(self._service(name))
+
+    def _service(self, name: str) -> Service:
+        return next(s for s in self.services if s.name == name)
+
+    def _await_ready(self, service: Service) -> None:
+        proc = self._procs[service.name]
+        if not wait_http_ok(service.health, lambda: proc.poll() is None, self.config.ready_timeout_s):
+            self.stop()
+            raise StackError(f"{service.name} did not become ready; see {self.log_path(service.name)}")
+        if service.name == "router":
+            self._wait_until_router_routes_to_all(service)
+        else:
+            self._check_identity(service)
+        log.info("ready %s", kv(service=service.name, url=service.url))
 
     def _wait_until_router_routes_to_all(self, router: Service) -> None:
         """Check the router is ours, then wait until it routes to every worker we started.
