@@ -5,9 +5,13 @@ The session stack's workers run with ``--nixl-trace-dir`` (tests/e2e/conftest.py
 
 from __future__ import annotations
 
+import pytest
+
 from benchmarks.nixl_floor import VARIANTS, Replay, measure_floor
 from connector.nixl_trace import load_trace
 from tests.e2e.support import metric, settled, traced, wait_for
+
+pytestmark = pytest.mark.e2e  # it uses the session stack: `make test-unit` must not start vLLM
 
 
 def test_trace_holds_every_descriptor_vllm_posted_and_replays(prefill_worker, decode_worker, stack, nixl_trace_dir):
