@@ -4,7 +4,9 @@ For a prompt of N tokens the prefill computes N-1 and the decode worker pulls:
 
 - per Mamba layer, the conv state in the DS layout, read as three slices
   (``|-- x --|- B -|- C -|``, each ``dim x (conv_kernel - 1)``), and the SSM state
-  (``heads x head_dim x state_size``, in the SSM cache dtype);
+  (``heads x head_dim x state_size``, in the SSM cache dtype); a GDN layer (Qwen3-Next,
+  Qwen3.5) the same with Q, K, V slices and the recurrent state (value heads x value dim x
+  key dim); a Mamba1 layer (Jamba) one x slice and its SSM state (d_inner x state);
 - per attention layer, K and V of every block the N-1 tokens occupy (whole blocks,
   one read per block: a block's page holds both).
 
@@ -47,25 +49,54 @@ class ModelShape:
     head_dim: int
     dtype_bytes: int
     ssm_dtype_bytes: int
+    state_kind: str = "mamba2"  # mamba2 (conv x|B|C), gdn (conv Q|K|V: groups = key heads), mamba1 (conv x only)
+    mamba_groups: int = 1  # Mamba2 groups (GDN: key heads); vLLM replicates them on TP ranks when TP does not divide them
+
+    @property
+    def conv_reads(self) -> int:
+        """Slices of a layer's DS conv state vLLM reads: x, B, C (Q, K, V for GDN); Mamba1's x alone."""
+        return 1 if self.state_kind == "mamba1" else 3
+
+
+_STATE = ("mamba", "linear_attention", "M", "hybrid")  # layer kinds that carry conv + SSM/recurrent state
+_ATTENTION = ("attention", "full_attention", "*", "hybrid")  # Zamba2's hybrid layers carry both
 
 
 def _layer_kinds(cfg: dict) -> list[str]:
+    mtype = cfg.get("model_type")
+    if mtype == "falcon_h1":  # every layer runs attention and Mamba2 in parallel
+        return ["hybrid"] * int(cfg["num_hidden_layers"])
+    if mtype == "jamba" and "attn_layer_period" in cfg:  # the pattern is a period, not a list
+        period, offset = int(cfg["attn_layer_period"]), int(cfg.get("attn_layer_offset", 0))
+        return ["attention" if i % period == offset else "mamba" for i in range(int(cfg["num_hidden_layers"]))]
     for key in ("layers_block_type", "layer_types"):
         if isinstance(cfg.get(key), list):
             return [str(k) for k in cfg[key]]
     if isinstance(cfg.get("hybrid_override_pattern"), str):
         names = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
         return [names.get(c, c) for c in cfg["hybrid_override_pattern"]]
-    if cfg.get("model_type") in ("mamba2", "mamba"):
+    if mtype in ("mamba2", "mamba"):
         return ["mamba"] * int(cfg["num_hidden_layers"])
     raise PlanError(
-        f"cannot find the layer pattern of model_type {cfg.get('model_type')!r}: give a NemotronH, Granite-4-H "
-        "or Mamba2 model (layers_block_type, layer_types or hybrid_override_pattern in config.json)"
+        f"cannot find the layer pattern of model_type {mtype!r}: give a NemotronH, Granite-4-H, Falcon-H1, Zamba2, "
+        "Jamba, Qwen3-Next, Qwen3.5 or Mamba2 model (layers_block_type, layer_types or hybrid_override_pattern in config.json)"
     )
 
 
+def _text_config(cfg: dict) -> dict:
+    """A multimodal wrapper's (Qwen3.5's) language half, or the config itself."""
+    text = cfg.get("text_config")
+    return {**cfg, **text} if isinstance(text, dict) and "layer_types" in text else cfg
+
+
 def model_shape(config_path: str | Path) -> ModelShape:
-    """Read ``config.json`` (a file or a model directory) of a NemotronH, Granite-4-H or Mamba2 model."""
+    """Read ``config.json`` (a file or a model directory) of a hybrid model of a family vLLM's NIXL connector moves.
+
+    The state shapes are those of vLLM 0.32's ``get_mamba_state_shape_from_config`` per family:
+    Mamba2 (NemotronH: heads x head dim; Granite-4-H, Falcon-H1, Zamba2: the x width is expand x
+    hidden, Falcon-H1's mamba_d_ssm when set), Mamba1 (Jamba: expand x hidden, one conv slice) and
+    GDN (Qwen3-Next, Qwen3.5: conv of Q, K, V; recurrent state value heads x value dim x key dim).
+    """
     path = Path(config_path)
     file = path / "config.json" if path.is_dir() else path
     try:
@@ -76,9 +107,10 @@ def model_shape(config_path: str | Path) -> ModelShape:
         raise PlanError(f"cannot read {file} as a model config: {exc}") from None
     if not isinstance(cfg, dict):
         raise PlanError(f"{file} is not a model config (a JSON object)")
+    cfg = _text_config(cfg)
     kinds = _layer_kinds(cfg)
-    mamba = sum(k in ("mamba", "linear_attention", "M") for k in kinds)
-    attention = sum(k in ("attention", "full_attention", "*") for k in kinds)
+    mamba = sum(k in _STATE for k in kinds)
+    attention = sum(k in _ATTENTION for k in kinds)
 
     def first(*keys: str, default: int | None = None) -> int:
         for key in keys:
@@ -88,29 +120,53 @@ def model_shape(config_path: str | Path) -> ModelShape:
             raise PlanError(f"{file} has none of {', '.join(keys)}: is it a hybrid Mamba model's config?")
         return default
 
-    heads = first("mamba_num_heads", "mamba_n_heads", "num_heads")
-    head_dim = first("mamba_head_dim", "mamba_d_head", "head_dim")
-    groups = first("n_groups", "mamba_n_groups", default=1)
-    state = first("ssm_state_size", "mamba_d_state", "state_size")
-    kernel = first("conv_kernel", "mamba_d_conv", default=4)
-    dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
-    ssm_dtype = str(cfg.get("mamba_ssm_cache_dtype") or "float32")
+    mtype = cfg.get("model_type")
+    dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32").replace("torch.", "")
+    if mtype in ("nemotron_h",):  # vLLM: the config's mamba_ssm_cache_dtype, else float32
+        ssm_dtype = str(cfg.get("mamba_ssm_cache_dtype") or "float32")
+    elif mtype in ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"):  # the config's mamba_ssm_dtype, else the model's
+        ssm_dtype = str(cfg.get("mamba_ssm_dtype") or dtype)
+    elif mtype in ("mamba2", "mamba"):  # the embedded plan's historic default (vLLM: the model dtype; fp32 here)
+        ssm_dtype = str(cfg.get("mamba_ssm_cache_dtype") or "float32")
+    else:  # vLLM's "auto": the model dtype
+        ssm_dtype = str(cfg.get("mamba_ssm_cache_dtype") or dtype)
+    kernel = first("conv_kernel", "mamba_d_conv", "linear_conv_kernel_dim", default=4)
+    hidden = first("hidden_size")
+    if "linear_num_value_heads" in cfg:  # GDN: conv [Q | K | V], recurrent state (value heads, value dim, key dim)
+        kind, v_heads, v_dim = "gdn", first("linear_num_value_heads"), first("linear_value_head_dim")
+        heads, head_dim, state = v_heads, v_dim, first("linear_key_head_dim")
+        d_inner, groups = v_heads * v_dim, first("linear_num_key_heads")
+    elif mtype == "jamba":  # Mamba1: conv holds x only; SSM state (d_inner, state)
+        kind, d_inner, state = "mamba1", first("mamba_expand", default=2) * hidden, first("mamba_d_state")
+        heads, head_dim, groups = d_inner, 1, 0
+    else:
+        kind = "mamba2"
+        heads = first("mamba_num_heads", "mamba_n_heads", "n_mamba_heads", "num_heads")
+        head_dim = first("mamba_head_dim", "mamba_d_head", "mamba_headdim", "head_dim")
+        groups = first("n_groups", "mamba_n_groups", "mamba_ngroups", default=1)
+        state = first("ssm_state_size", "mamba_d_state", "state_size")
+        if mtype in ("granitemoehybrid", "zamba2"):
+            d_inner = first("mamba_expand", default=2) * hidden
+        elif mtype == "falcon_h1":
+            d_inner = first("mamba_d_ssm", default=first("mamba_expand", default=2) * hidden)
+        else:
+            d_inner = heads * head_dim
     attn_heads = first("num_attention_heads", default=1)
     return ModelShape(
         mamba_layers=mamba,
         attention_layers=attention,
-        d_inner=heads * head_dim,
+        d_inner=d_inner,
         groups_state=groups * state,
         conv_rows=kernel - 1,
         mamba_heads=heads,
         mamba_head_dim=head_dim,
         state_size=state,
         kv_heads=first("num_key_value_heads", default=attn_heads),
-        head_dim=first("attention_head_dim", "head_dim", default=first("hidden_size") // attn_heads)
-        if attention
-        else 0,
-        dtype_bytes=_DTYPE_BYTES.get(dtype.replace("torch.", ""), 4),
+        head_dim=first("attention_head_dim", "head_dim", default=hidden // attn_heads) if attention else 0,
+        dtype_bytes=_DTYPE_BYTES.get(dtype, 4),
         ssm_dtype_bytes=_DTYPE_BYTES.get(ssm_dtype.replace("torch.", ""), 4),
+        state_kind=kind,
+        mamba_groups=groups,
     )
 
 
@@ -151,18 +207,30 @@ def plan_transfer(
         )
     tokens = max(prompt_tokens - 1, 1)  # the prefill stops at N-1 (one token cannot back off)
     blocks = math.ceil(tokens / block_size)
-    conv = (shape.d_inner + 2 * shape.groups_state) * shape.conv_rows * shape.dtype_bytes
-    ssm = shape.mamba_heads * shape.mamba_head_dim * shape.state_size * shape.ssm_dtype_bytes
-    kv = 2 * blocks * block_size * shape.kv_heads * shape.head_dim * shape.dtype_bytes
-    total = shape.mamba_layers * (conv + ssm) + shape.attention_layers * kv
     if decode_tp >= prefill_tp:
         ratio = decode_tp // prefill_tp
         sources = {r: [r // ratio] for r in range(decode_tp)}
     else:
         ratio = prefill_tp // decode_tp
         sources = {r: list(range(r * ratio, (r + 1) * ratio)) for r in range(decode_tp)}
-    # x, B, C, SSM per Mamba layer; one K+V page per block (adjacent blocks may go as one descriptor: fewer reads then)
-    per_source_reads = shape.mamba_layers * 4 + shape.attention_layers * blocks
+    # What one decode rank reads, as vLLM shards it: x (or V) and heads split by TP; Mamba2 groups
+    # that TP does not divide are replicated (vLLM's extra_groups_for_head_shards), counted at the
+    # ranks that hold them (the prefill's when several prefill ranks feed one decode rank); KV heads
+    # split by TP, one head per rank when there are fewer heads than ranks.
+    holder_tp = max(prefill_tp, decode_tp) if decode_tp < prefill_tp else decode_tp
+    groups = max(shape.mamba_groups, 1)
+    if shape.state_kind == "mamba2" and groups % holder_tp:
+        groups += holder_tp - groups
+    per_group = shape.groups_state // max(shape.mamba_groups, 1)
+    conv_rank = (shape.d_inner + 2 * groups * per_group) // decode_tp * shape.conv_rows * shape.dtype_bytes
+    ssm_rank = shape.mamba_heads // decode_tp * shape.mamba_head_dim * shape.state_size * shape.ssm_dtype_bytes
+    kv_heads_rank = max(shape.kv_heads // decode_tp, 1)
+    kv_rank = 2 * blocks * block_size * kv_heads_rank * shape.head_dim * shape.dtype_bytes
+    per_rank = shape.mamba_layers * (conv_rank + ssm_rank) + shape.attention_layers * kv_rank
+    conv, ssm, kv = conv_rank * decode_tp, ssm_rank * decode_tp, kv_rank * decode_tp
+    total = per_rank * decode_tp
+    # conv slices (x, B, C; Mamba1: x) + SSM per Mamba layer; one K+V page per block (adjacent blocks may go as one descriptor: fewer reads then)
+    per_source_reads = shape.mamba_layers * (shape.conv_reads + 1) + shape.attention_layers * blocks
     return TransferPlan(
         prompt_tokens=prompt_tokens,
         transferred_tokens=tokens,
@@ -171,7 +239,7 @@ def plan_transfer(
         ssm_bytes_per_mamba_layer=ssm,
         kv_bytes_per_attention_layer=kv,
         total_bytes=total,
-        bytes_per_decode_rank=total // decode_tp,
+        bytes_per_decode_rank=per_rank,
         prefill_ranks_per_decode_rank=len(sources[0]),
         max_reads_per_decode_rank=per_source_reads * len(sources[0]),
         decode_rank_sources=sources,

@@ -1,6 +1,7 @@
 """The transfer plan's arithmetic (checked against vLLM's own stats in tests/e2e)."""
 
 import json
+import math
 
 import pytest
 
@@ -49,3 +50,113 @@ def test_reads_nemotron_h_and_pure_mamba2_configs(tmp_path):
     shape = model_shape(tmp_path)
     assert (shape.mamba_layers, shape.attention_layers) == (3, 0)
     assert plan_transfer(shape, 50).total_bytes == 3 * ((64 + 2 * 8) * 3 * 4 + 4 * 16 * 8 * 4)
+
+
+# Every family of the model matrix (services/models/families.py): the plan's per-layer state bytes
+# equal the shapes vLLM itself allocates (the model class's get_mamba_state_shape_from_config), per TP
+# size, and its layer counts equal the pattern transformers builds the model from.
+
+FAMILY_NAMES = ["nemotron_h", "nemotron_h_moe", "granitemoehybrid", "falcon_h1", "zamba2", "jamba", "qwen3_next", "qwen3_5"]
+
+
+def _vllm_state_numel(family, tp: int) -> tuple[int, int]:
+    """(conv, SSM) elements per layer on one of ``tp`` ranks, as vLLM 0.32 sizes them."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    cfg = family.config()
+    if family.name == "qwen3_5":  # vllm's qwen3_5.py imports torchvision, which the CPU venv lacks: call what it calls
+        from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
+
+        conv, ssm = MambaStateShapeCalculator.gated_delta_net_state_shape(
+            tp, cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
+            cfg.linear_conv_kernel_dim)  # fmt: skip
+        return math.prod(conv), math.prod(ssm)
+    model_cls = ModelRegistry._try_load_model_cls(family.architecture)
+    vllm_config = SimpleNamespace(
+        model_config=SimpleNamespace(hf_config=cfg, hf_text_config=cfg),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp),
+        cache_config=SimpleNamespace(use_replayssm=False),
+        num_speculative_tokens=0,
+        speculative_config=None,
+    )
+    conv, ssm = model_cls.get_mamba_state_shape_from_config(vllm_config)[:2]
+    return math.prod(conv), math.prod(ssm)
+
+
+def _family_config(tmp_path, name: str):
+    from services.models.families import FAMILIES
+
+    family = FAMILIES[name]
+    (tmp_path / "config.json").write_text(family.config().to_json_string())
+    return family, model_shape(tmp_path)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("name", FAMILY_NAMES)
+def test_family_state_bytes_equal_vllms_shapes(name, tp, tmp_path):
+    family, shape = _family_config(tmp_path, name)
+    conv, ssm = _vllm_state_numel(family, tp)
+    plan = plan_transfer(shape, 200, prefill_tp=tp, decode_tp=tp)
+    assert plan.conv_bytes_per_mamba_layer == conv * 4 * tp
+    assert plan.ssm_bytes_per_mamba_layer == ssm * 4 * tp
+    assert shape.state_kind == family.state
+
+
+def _expected_layers(cfg) -> tuple[int, int]:
+    """(state layers, attention layers) from the transformers config the checkpoint is built from."""
+    if cfg.model_type == "falcon_h1":
+        return cfg.num_hidden_layers, cfg.num_hidden_layers
+    if cfg.model_type == "zamba2":
+        return cfg.num_hidden_layers, len(cfg.hybrid_layer_ids)
+    if cfg.model_type == "jamba":
+        kinds = cfg.layers_block_type
+    else:
+        kinds = getattr(cfg, "layers_block_type", None) or cfg.layer_types
+    return sum(k in ("mamba", "linear_attention") for k in kinds), sum(k in ("attention", "full_attention") for k in kinds)
+
+
+@pytest.mark.parametrize("name", FAMILY_NAMES)
+def test_family_layer_counts_and_reads(name, tmp_path):
+    family, shape = _family_config(tmp_path, name)
+    assert (shape.mamba_layers, shape.attention_layers) == _expected_layers(family.config())
+    plan = plan_transfer(shape, 300, block_size=128)  # 299 tokens: 3 blocks
+    conv_reads = 1 if family.state == "mamba1" else 3
+    assert plan.max_reads_per_decode_rank == shape.mamba_layers * (conv_reads + 1) + shape.attention_layers * 3
+    assert plan.kv_bytes_per_attention_layer == 2 * 3 * 128 * shape.kv_heads * shape.head_dim * 4
+
+
+def test_gdn_state_by_hand(tmp_path):
+    """Qwen3-Next: conv of Q, K, V (2 x key heads x key dim + value heads x value dim) x 3 rows; recurrent state v x dv x dk."""
+    _, shape = _family_config(tmp_path, "qwen3_next")
+    plan = plan_transfer(shape, 10)
+    assert plan.conv_bytes_per_mamba_layer == (2 * 2 * 32 + 4 * 32) * 3 * 4
+    assert plan.ssm_bytes_per_mamba_layer == 4 * 32 * 32 * 4
+    assert (shape.mamba_layers, shape.attention_layers, shape.kv_heads, shape.head_dim) == (3, 1, 1, 64)
+
+
+def test_mamba1_state_by_hand(tmp_path):
+    """Jamba: conv holds x only (expand x hidden, 3 rows), SSM state expand x hidden x state; one conv read."""
+    _, shape = _family_config(tmp_path, "jamba")
+    plan = plan_transfer(shape, 10)
+    assert plan.conv_bytes_per_mamba_layer == 256 * 3 * 4
+    assert plan.ssm_bytes_per_mamba_layer == 256 * 16 * 4
+    assert plan.max_reads_per_decode_rank == 3 * 2 + 1
+
+
+def test_one_mamba2_group_is_replicated_on_every_tp_rank(tmp_path):
+    """Granite-4-H has one group: vLLM gives each of 4 ranks a copy of B and C, so 4 ranks move 3 more copies."""
+    _, shape = _family_config(tmp_path, "granitemoehybrid")
+    one, four = plan_transfer(shape, 10), plan_transfer(shape, 10, decode_tp=4)
+    assert four.conv_bytes_per_mamba_layer - one.conv_bytes_per_mamba_layer == 3 * 2 * 32 * 3 * 4
+
+
+def test_qwen35_multimodal_config_is_read_from_its_text_config(tmp_path):
+    from services.models.families import FAMILIES
+
+    text = FAMILIES["qwen3_5"].config().to_dict()
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
+                                                      "text_config": text}))  # fmt: skip
+    shape = model_shape(tmp_path)
+    assert (shape.state_kind, shape.mamba_layers, shape.attention_layers) == ("gdn", 3, 1)

