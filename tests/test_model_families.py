@@ -40,3 +40,12 @@ def test_build_writes_fp32_weights_and_the_embedded_tokenizer(tmp_path):
     assert config["layers_block_type"].count("full_attention") == 1 and config["layers_block_type"].count("linear_attention") == 3
     assert (out / "tokenizer.json").exists() and (out / "model.safetensors").exists()
     assert len(json.loads((out / "tokenizer.json").read_text())["model"]["vocab"]) == 512
+
+
+def test_qwen35_cannot_load_in_the_cpu_venv_as_recorded():
+    """vLLM's qwen3_5.py imports its vision half (qwen3_vl -> transformers' image processor -> torchvision),
+    which the CPU install removes (docs/models.md). The day this loads, move Qwen3.5 into the CPU matrix."""
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    with pytest.raises(ModuleNotFoundError, match=FAMILIES["qwen3_5"].cpu_expected_error):
+        ModelRegistry._try_load_model_cls("Qwen3_5ForCausalLM") or __import__("vllm.model_executor.models.qwen3_5")
