@@ -73,6 +73,7 @@ FAMILIES: dict[str, Family] = {
             "nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B: hidden 2688, 52 layers (23 Mamba2, 6 attention, 23 MoE), Mamba 64 "
             "heads x 64, 8 groups, state 128, attention 32 q / 2 kv heads x 128, 128 routed experts top-6 + 1 shared",
             "mamba2",
+            cpu_expected_error="is_act_and_mul=False is supported only for CUDA, XPU and ROCm for now",
         ),
         Family(
             "granitemoehybrid", "GraniteMoeHybridForCausalLM", "GraniteMoeHybridConfig",
@@ -126,6 +127,7 @@ FAMILIES: dict[str, Family] = {
             "Qwen/Qwen3-Next-80B-A3B-Instruct: hidden 2048, 48 layers (GDN x3 then gated attention, repeated), GDN 16 "
             "key heads / 32 value heads x 128, conv 4, attention 16 q / 2 kv heads x 256, 512 experts top-10 + shared",
             "gdn",
+            cpu_expected_error="CPU GDN attention requires BF16.",
         ),
         Family(
             "qwen3_5", "Qwen3_5ForCausalLM", "Qwen3_5TextConfig",
