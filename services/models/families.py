@@ -49,6 +49,13 @@ class Family:
         return config
 
 
+# The tiny GDN layout Qwen3-Next and Qwen3.5 share: three gated-delta-net layers, then gated attention.
+_GDN_LAYERS = {
+    "num_hidden_layers": 4, "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 32, "linear_value_head_dim": 32,
+    "linear_conv_kernel_dim": 4, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 64, "intermediate_size": 256,
+}  # fmt: skip
+
 FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
@@ -118,12 +125,8 @@ FAMILIES: dict[str, Family] = {
         ),
         Family(
             "qwen3_next", "Qwen3NextForCausalLM", "Qwen3NextConfig",
-            {"num_hidden_layers": 4, "layer_types": ["linear_attention"] * 3 + ["full_attention"],
-             "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 32,
-             "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4, "num_attention_heads": 4,
-             "num_key_value_heads": 1, "head_dim": 64, "intermediate_size": 256, "num_experts": 8,
-             "num_experts_per_tok": 2, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64,
-             "decoder_sparse_step": 1, "norm_topk_prob": True},
+            {**_GDN_LAYERS, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+             "shared_expert_intermediate_size": 64, "decoder_sparse_step": 1, "norm_topk_prob": True},
             "Qwen/Qwen3-Next-80B-A3B-Instruct: hidden 2048, 48 layers (GDN x3 then gated attention, repeated), GDN 16 "
             "key heads / 32 value heads x 128, conv 4, attention 16 q / 2 kv heads x 256, 512 experts top-10 + shared",
             "gdn",
@@ -131,10 +134,7 @@ FAMILIES: dict[str, Family] = {
         ),
         Family(
             "qwen3_5", "Qwen3_5ForCausalLM", "Qwen3_5TextConfig",
-            {"num_hidden_layers": 4, "layer_types": ["linear_attention"] * 3 + ["full_attention"],
-             "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 32,
-             "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4, "num_attention_heads": 4,
-             "num_key_value_heads": 1, "head_dim": 64, "intermediate_size": 256},
+            dict(_GDN_LAYERS),
             "Qwen/Qwen3.5 dense text models: GDN x3 then gated attention, repeated; GDN key heads 16 x 128, value "
             "heads 32 x 128 (27B: 48 x 128), conv 4, attention 2-4 kv heads x 256 (the text half of Qwen3_5ForConditionalGeneration)",
             "gdn",
