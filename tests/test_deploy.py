@@ -12,13 +12,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
-import signal
 import sys
 import tomllib
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -35,11 +32,17 @@ import deploy_compose as dc  # noqa: E402
 
 from connector.capabilities import VERIFIED_ON  # noqa: E402
 from services import default_model  # noqa: E402
-from services import stack as stack_module  # noqa: E402
-from services.cli import build_parser, main  # noqa: E402
+from services.cli import build_parser  # noqa: E402
 from services.common.cli_flags import given  # noqa: E402
-from services.stack import Service, Stack  # noqa: E402
 from services.worker.settings import WorkerSettings  # noqa: E402
+from tests.deploy_support import (  # noqa: E402
+    MASKED_ENV,
+    RESOLVED_BY_THE_WORKER,
+    container_environment,
+    make_demo_argv,
+    make_demo_services,
+    masked_argv,
+)
 
 ENV_EXAMPLE = dc.ROOT / ".env.example"
 DOCKERIGNORE = dc.ROOT / ".dockerignore"
@@ -135,37 +138,6 @@ def service_env(service: dict[str, Any]) -> dict[str, str]:
     if isinstance(env, list):
         env = dict(item.split("=", 1) for item in env)
     return {k: "" if v is None else str(v) for k, v in env.items()}
-
-
-@contextmanager
-def container_environment(env: dict[str, str]) -> Iterator[None]:
-    """This process's environment as a container's: its variables set, no stray HYBRID_PD_* settings."""
-    with pytest.MonkeyPatch.context() as m:
-        for key in list(os.environ):
-            if key.startswith(("HYBRID_PD_WORKER_", "HYBRID_PD_ROUTER_")):
-                m.delenv(key)
-        for key, value in env.items():
-            m.setenv(key, value)
-        yield
-
-
-@pytest.fixture
-def dry_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
-    """Run ``hybrid-pd ... --dry-run`` in-process with a container's environment; return its JSON.
-
-    The embedded default model resolves to its usual path under a temporary
-    ``HYBRID_PD_HOME`` without being built: these tests are about command lines.
-    """
-    monkeypatch.setattr(default_model, "ensure_default_model", default_model.default_model_dir)
-    monkeypatch.setenv("HYBRID_PD_HOME", str(tmp_path / "home"))
-
-    def run(argv: list[str], env: dict[str, str] | None = None) -> dict[str, Any]:
-        with container_environment(env or {}):
-            capsys.readouterr()
-            assert main([*argv, "--dry-run"]) == 0
-            return json.loads(capsys.readouterr().out)
-
-    return run
 
 
 def run_service(dry_run: Callable[..., dict[str, Any]], project: Project, name: str) -> dict[str, Any]:
@@ -542,41 +514,6 @@ def test_services_restart_and_reap_their_children(project: str):
 # ---------------------------------------------------------------- the cpu profile is `make demo`
 
 
-RESOLVED_BY_THE_WORKER = {"--model", "--served-model-name"}
-MASKED_FLAGS = {"--host", "--port", "--prefill", "--decode"}
-MASKED_ENV = {"VLLM_NIXL_SIDE_CHANNEL_PORT", "VLLM_CPU_OMP_THREADS_BIND"}
-
-
-def _masked_argv(argv: list[str]) -> list[str]:
-    return [("<masked>" if i and argv[i - 1] in MASKED_FLAGS else a) for i, a in enumerate(argv)]
-
-
-def make_demo_argv() -> list[str]:
-    """The `hybrid-pd` arguments of the Makefile's `demo` recipe, its variables filled in."""
-    makefile = (dc.ROOT / "Makefile").read_text()
-    variables = dict(re.findall(r"^(\w+) \?= (.*)$", makefile, re.M))
-    recipe = makefile.split("\ndemo:", 1)[1].split("\n\n", 1)[0]
-    (line,) = [ln for ln in recipe.splitlines() if "hybrid-pd " in ln]
-    argv = line.split("hybrid-pd ", 1)[1].split()
-    return [re.sub(r"\$\((\w+)\)", lambda m: variables[m.group(1)], a) for a in argv]
-
-
-def make_demo_services(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[str]]:
-    """role -> the `hybrid-pd <role> ...` arguments `make demo` starts, planned by `hybrid-pd up` but not started."""
-    planned: list[Service] = []
-
-    class Planned(Stack):
-        def start(self) -> None:
-            planned.extend(self.services)
-            raise KeyboardInterrupt  # `up` stops here, as on Ctrl-C
-
-    monkeypatch.setattr(default_model, "ensure_default_model", default_model.default_model_dir)
-    monkeypatch.setattr(stack_module, "Stack", Planned)
-    monkeypatch.setattr(signal, "signal", lambda *args: None)
-    assert main(make_demo_argv()) == 0
-    return {s.name.split("-")[0]: s.argv[3:] for s in planned}
-
-
 def test_make_demo_runs_hybrid_pd_up():
     assert make_demo_argv()[0] == "up"
 
@@ -604,7 +541,7 @@ def test_cpu_profile_runs_the_command_lines_of_make_demo(dry_run, monkeypatch: p
             }
             continue
         # The same vLLM command line and environment, but for ports and CPU pinning.
-        assert _masked_argv(ours["argv"]) == _masked_argv(theirs["argv"])
+        assert masked_argv(ours["argv"]) == masked_argv(theirs["argv"])
         assert {k: v for k, v in ours["env"].items() if k not in MASKED_ENV} == {
             k: v for k, v in theirs["env"].items() if k not in MASKED_ENV
         }

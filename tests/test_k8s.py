@@ -19,7 +19,6 @@ import shutil
 import subprocess
 import tomllib
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -30,13 +29,7 @@ import yaml
 from services.common import processes
 from services.worker.settings import WorkerSettings
 from tests import deploy_compose as dc
-from tests.test_deploy import (  # noqa: F401  (dry_run is a fixture)
-    MASKED_ENV,
-    RESOLVED_BY_THE_WORKER,
-    _masked_argv,
-    dry_run,
-    make_demo_services,
-)
+from tests.deploy_support import MASKED_ENV, RESOLVED_BY_THE_WORKER, make_demo_services, masked_argv
 
 K8S = dc.ROOT / "deploy" / "k8s"
 # `kubectl kustomize deploy/k8s/<variant>`; "." is deploy/k8s itself (the GPU variant).
@@ -391,7 +384,7 @@ def test_cpu_variant_runs_the_command_lines_of_make_demo(dry_run, monkeypatch: p
         flags = sorted(f for f, _ in dc.parse_flags(c.argv[2:]) if f not in REGISTRATION)
         assert flags == sorted(f for f, _ in dc.parse_flags(demo[role][1:]) if f not in RESOLVED_BY_THE_WORKER)
         k8s, local = run_in_container(dry_run, c), dry_run(demo[role])
-        assert _masked_argv(k8s["argv"]) == _masked_argv(local["argv"])
+        assert masked_argv(k8s["argv"]) == masked_argv(local["argv"])
         assert {k: v for k, v in k8s["env"].items() if k not in MASKED_ENV} == {
             k: v for k, v in local["env"].items() if k not in MASKED_ENV
         }
