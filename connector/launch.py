@@ -289,6 +289,9 @@ def build_launch(spec: WorkerSpec) -> Launch:
         "--max-num-seqs", str(spec.max_num_seqs),
         "--seed", str(spec.seed),
         "--tensor-parallel-size", str(spec.tensor_parallel_size),
+        # Clients that tokenize on the server (lm-eval's local-completions by default) read
+        # /tokenizer_info, through the router too; vLLM serves it only when asked to.
+        "--enable-tokenizer-info-endpoint",
     ]  # fmt: skip
     argv += device_args(spec) + memory_args(spec) + prefix_caching_args(spec)
     config = kv_transfer_config(spec)
