@@ -17,6 +17,7 @@ from connector.compat import CONV_STATE_LAYOUT
 from connector.nixl_merge import MERGE_ENV
 from connector.nixl_progress import DELAY_ENV
 from connector.nixl_trace import TRACE_ENV
+from connector.timeline import TIMELINE_DIR_ENV, TIMELINE_SOURCE_ENV
 
 __all__ = ["Launch", "Role", "Device", "WorkerSpec", "build_launch", "dtype", "kv_transfer_config"]
 
@@ -62,6 +63,7 @@ class WorkerSpec:
     rdma_devices: tuple[str, ...] = ()  # active RDMA ports on this host (connector.topology.rdma_devices)
     ucx_net_devices: str | None = None
     nixl_trace_dir: str | None = None
+    timeline_dir: str | None = None
     merge_descriptors: bool = True
     vllm_args: tuple[str, ...] = ()
     # What the start-up check decided (connector.capabilities): (piece, "vllm" | "fallback:<how>") pairs.
@@ -198,6 +200,24 @@ def nixl_trace_env(spec: WorkerSpec) -> dict[str, str]:
     return {TRACE_ENV: spec.nixl_trace_dir}
 
 
+def timeline_env(spec: WorkerSpec) -> dict[str, str]:
+    """Where a traced worker's vLLM processes (HTTP server, engine) record the hand-off timeline, and as which role."""
+    if spec.role == "colocated" or not spec.timeline_dir:
+        return {}
+    return {TIMELINE_DIR_ENV: spec.timeline_dir, TIMELINE_SOURCE_ENV: spec.role}
+
+
+def timeline_args(spec: WorkerSpec) -> list[str]:
+    """A traced worker's vLLM server times each request's arrival and first byte out (vLLM's ``--middleware``).
+
+    Plain ASGI around vLLM's app, so it times the server rather than a framework's layers;
+    our connector module records the engine's side (``connector/timeline_engine.py``).
+    """
+    if spec.role == "colocated" or not spec.timeline_dir:
+        return []
+    return ["--middleware", "connector.timeline_http.TimelineMiddleware"]
+
+
 def prefix_caching_args(spec: WorkerSpec) -> list[str]:
     """Turn prefix caching off on CPU.
 
@@ -297,7 +317,7 @@ def build_launch(spec: WorkerSpec) -> Launch:
     config = kv_transfer_config(spec)
     if config is not None:
         argv += ["--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
-    argv += list(spec.vllm_args) + capability_args(spec)
+    argv += timeline_args(spec) + list(spec.vllm_args) + capability_args(spec)
     env = {
         **state_layout_env(spec),
         **side_channel_env(spec),
@@ -305,6 +325,7 @@ def build_launch(spec: WorkerSpec) -> Launch:
         **nixl_progress_env(spec),
         **nixl_merge_env(spec),
         **nixl_trace_env(spec),
+        **timeline_env(spec),
         **device_env(spec),
         **capability_env(spec),
         "VLLM_NO_USAGE_STATS": "1",

@@ -119,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--health-interval-s", type=float, help="seconds between worker health checks")
     router.add_argument("--migration-limit", type=int, help="times a completions stream may move to another decode worker (0: never)")
     router.add_argument("--decode-stall-timeout-s", type=float, help="a decode stream with no byte for this long counts as broken")
+    router.add_argument("--timeline-dir", help="record the hand-off timeline of every request into this folder (off when unset)")
     router.add_argument("--dry-run", action="store_true", help="print the resolved settings as JSON and exit")
 
     for role, summary in ROLES.items():
@@ -155,7 +156,13 @@ def _run_router(args: argparse.Namespace) -> int:
         print(json.dumps(shown))
         return 0
     log.info("router on http://%s:%d prefill=%s decode=%s", settings.host, settings.port, settings.prefill, settings.decode)
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_config=None, access_log=False)
+    app = create_app(settings)
+    if settings.timeline_dir:
+        from connector.timeline import writer_for
+        from connector.timeline_http import TimelineMiddleware
+
+        app = TimelineMiddleware(app, writer_for(settings.timeline_dir, "router"))
+    uvicorn.run(app, host=settings.host, port=settings.port, log_config=None, access_log=False)
     return 0
 
 

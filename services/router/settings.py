@@ -30,6 +30,9 @@ class RouterSettings(BaseSettings):
         2.0, gt=0, description="idle connections to workers are closed after this; keep it below the workers' keep-alive (vLLM: 5 s)"
     )
     log_level: str = "INFO"
+    timeline_dir: str | None = Field(
+        None, description="record when each request arrived, its legs went and came back and its first byte left, into this folder (hand-off timeline)"
+    )
     # Selection
     decode_policy: str = "least_outstanding"
     prefill_policy: str = "least_outstanding"

@@ -56,6 +56,9 @@ class WorkerSettings(BaseSettings):
     nixl_trace_dir: str | None = Field(
         None, description="record every NIXL transfer into this folder (benchmarks/nixl_floor.py replays it)"
     )
+    timeline_dir: str | None = Field(
+        None, description="record when vLLM's server and engine saw each step of every P/D request into this folder (hand-off timeline)"
+    )
     decode_row_fix: Literal["auto", "connector", "piecewise"] = Field(
         "auto",
         description="decode: where vLLM lacks the decode-row reclassification of token N, auto picks our connector's "

@@ -1,0 +1,111 @@
+"""The hand-off timeline's trace: when each layer saw each step of a P/D request, as JSON lines.
+
+A P/D request crosses three kinds of process: the router, a prefill worker and a decode
+worker (each a vLLM HTTP server and its engine). Each process that is traced appends its
+own file, ``<dir>/timeline-<source>-<pid>.jsonl``, so no process waits on another;
+``services/bench/timeline.py`` joins the files by request id into per-request segments.
+
+The first line of a file names the process, every later line is one event::
+
+    {"process": {"source": "decode", "host": "gpu-3", "pid": 4242}}
+    {"ev": "pull_done", "req": "cmpl-abc-0-9f1e2d3c", "mono": 81234.5671, "wall": 1767000000.1234}
+
+- ``source``: ``router``, ``prefill`` or ``decode``; a request's prefill and decode legs
+  carry the same request id, the source tells them apart.
+- ``rid``: the router's id of the leg (its ``X-Request-Id``), or ``req``: vLLM's own id of
+  the request inside one engine. vLLM renames a request (``cmpl-<rid>-<i>-<hex>``, versions
+  differ), so the engine learns the router's id from the leg's ``kv_transfer_params``
+  (:data:`REQUEST_ID_PARAM`) and writes both once; events of the engine's model workers,
+  which see only vLLM's id, join through that.
+- ``mono``: ``time.monotonic()`` of this process (vLLM's own engine timestamps are on that
+  clock too), for durations between events of one process; ``wall``: ``time.time()``, only
+  to put events of different processes on one line. Hosts' wall clocks differ by their NTP
+  error, which goes into the segments that cross from one host to another. An event taken
+  from another process's wall clock (vLLM's ``arrival_time``) has no ``mono``.
+
+Writing is off unless a directory is given, and one event costs a JSON encoding and a
+line write (a few microseconds); a trace that cannot be written is lost, never the request.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+__all__ = ["REQUEST_ID_PARAM", "SOURCES", "TIMELINE_DIR_ENV", "TIMELINE_SOURCE_ENV", "TimelineWriter", "from_env", "writer_for"]
+
+# What a vLLM process learns from our launch (connector/launch.py): where to write and what it is.
+TIMELINE_DIR_ENV = "HYBRID_PD_TIMELINE_DIR"
+TIMELINE_SOURCE_ENV = "HYBRID_PD_TIMELINE_SOURCE"
+
+# The key of a leg's kv_transfer_params that carries the router's request id into the engine.
+REQUEST_ID_PARAM = "hybrid_pd_request_id"
+
+SOURCES = ("router", "prefill", "decode")
+
+log = logging.getLogger("hybrid_pd.timeline")
+
+
+class TimelineWriter:
+    """Appends one process's timeline events to its own file (thread-safe: vLLM's engine has several threads)."""
+
+    def __init__(self, directory: str | Path, source: str) -> None:
+        if source not in SOURCES:
+            raise ValueError(f"timeline source must be one of {SOURCES}, got {source!r}")
+        path = Path(directory)
+        path.mkdir(parents=True, exist_ok=True)
+        self._out = open(path / f"timeline-{source}-{os.getpid()}.jsonl", "a", buffering=1)  # noqa: SIM115 - lives with the process
+        self._lock = threading.Lock()
+        self._failed = False
+        self._write({"process": {"source": source, "host": socket.gethostname(), "pid": os.getpid()}})
+
+    def event(self, name: str, *, rid: str | None = None, req: str | None = None, mono: float | None = None, wall: float | None = None) -> None:
+        """Record event ``name`` of request ``rid`` (the router's id) and/or ``req`` (vLLM's).
+
+        At this moment unless a time is given: ``mono`` alone (a ``time.monotonic()`` of this
+        process, such as vLLM's engine timestamps) gets its wall time from this process's
+        clocks now; ``wall`` alone (another process's ``time.time()``) stays without ``mono``.
+        """
+        if mono is None and wall is None:
+            mono, wall = time.monotonic(), time.time()
+        elif wall is None:
+            wall = mono + (time.time() - time.monotonic())
+        line: dict[str, object] = {"ev": name}
+        if rid is not None:
+            line["rid"] = rid
+        if req is not None:
+            line["req"] = req
+        if mono is not None:
+            line["mono"] = mono
+        line["wall"] = wall
+        self._write(line)
+
+    def _write(self, line: dict) -> None:
+        try:
+            text = json.dumps(line, separators=(",", ":")) + "\n"
+            with self._lock:
+                self._out.write(text)
+        except (TypeError, ValueError, OSError) as exc:
+            if not self._failed:
+                log.warning("timeline: cannot record an event (%s); later failures are not logged", exc)
+            self._failed = True
+
+
+@functools.cache
+def writer_for(directory: str, source: str) -> TimelineWriter:
+    """This process's writer for ``source`` into ``directory`` (one file per process, however often asked)."""
+    return TimelineWriter(directory, source)
+
+
+def from_env() -> TimelineWriter | None:
+    """The writer a vLLM process was launched with (:data:`TIMELINE_DIR_ENV`, :data:`TIMELINE_SOURCE_ENV`); None: off."""
+    directory, source = os.environ.get(TIMELINE_DIR_ENV), os.environ.get(TIMELINE_SOURCE_ENV)
+    if not directory or not source:
+        return None
+    return writer_for(directory, source)
