@@ -48,7 +48,7 @@ class TimelineMiddleware:
         if writer is None or scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        arrived_mono, arrived_wall = time.monotonic(), time.time()
+        arrived = time.monotonic()
         rid = _request_id(scope.get("headers"))
         first_sent = False
 
@@ -59,7 +59,7 @@ class TimelineMiddleware:
             elif message["type"] == "http.response.body" and not first_sent and message.get("body"):
                 first_sent = True
                 if rid is not None:
-                    writer.event("http_in", rid=rid, mono=arrived_mono, wall=arrived_wall)
+                    writer.event("http_in", rid=rid, mono=arrived)
                     writer.event("http_out", rid=rid)
             await send(message)
 

@@ -1,5 +1,6 @@
 """The request rewriting of both legs (the usage merge: tests/test_router_relay.py)."""
 
+from connector.timeline import REQUEST_ID_PARAM
 from services.router.legs import PREFILL_KV_TRANSFER_PARAMS, decode_body, prefill_body
 
 
@@ -51,3 +52,13 @@ def test_decode_leg_without_params_is_the_client_request():
     body = {"model": "m", "prompt": "x"}
     assert decode_body(body, None) == body
 
+
+
+def test_both_legs_carry_the_routers_request_id_for_the_engines_timeline():
+    body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 8}
+    params = {"do_remote_prefill": True, "remote_block_ids": [[1]]}
+    assert prefill_body(body, "r-1")["kv_transfer_params"][REQUEST_ID_PARAM] == "r-1"
+    assert REQUEST_ID_PARAM not in PREFILL_KV_TRANSFER_PARAMS  # the shared template stays as it was
+    decode = decode_body(body, params, "r-1")["kv_transfer_params"]
+    assert decode == {**params, REQUEST_ID_PARAM: "r-1"} and REQUEST_ID_PARAM not in params
+    assert decode_body(body, None, "r-1") == body  # no state to pull: nothing for the engine to trace

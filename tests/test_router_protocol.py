@@ -7,6 +7,7 @@ import json
 import httpx
 import pytest
 
+from connector.timeline import REQUEST_ID_PARAM
 from tests.router_support import DECODE, KV, PREFILL, Workers, asgi_client, router_app
 
 
@@ -18,7 +19,8 @@ async def test_both_legs_share_one_request_id_and_follow_the_pull_protocol(clien
     assert p_headers["x-request-id"] == d_headers["x-request-id"] == "req-42"
     assert r.headers["x-request-id"] == "req-42"
     assert p_body["max_tokens"] == 1 and p_body["kv_transfer_params"]["do_remote_decode"] is True
-    assert d_body == {"model": "m", "prompt": "hi", "max_tokens": 8, "kv_transfer_params": KV}
+    assert p_body["kv_transfer_params"][REQUEST_ID_PARAM] == "req-42"  # the engines name their timeline events by it
+    assert d_body == {"model": "m", "prompt": "hi", "max_tokens": 8, "kv_transfer_params": {**KV, REQUEST_ID_PARAM: "req-42"}}
 
 
 async def test_request_id_is_generated_when_absent(client, workers):
@@ -167,7 +169,8 @@ async def test_prompt_list_is_split_into_one_pair_per_prompt_and_merged_in_order
     assert [c["index"] for c in answer["choices"]] == [0, 1]
     assert answer["usage"]["completion_tokens"] == 6 and answer["usage"]["prompt_tokens"] == 10
     kv_params = [body.get("kv_transfer_params") for w, body, _ in workers.calls if w == "decode"]
-    assert kv_params == [KV, KV]
+    assert [{k: v for k, v in p.items() if k != REQUEST_ID_PARAM} for p in kv_params] == [KV, KV]
+    assert len({p[REQUEST_ID_PARAM] for p in kv_params}) == 2  # each pair is a request of its own in the engines' timelines
 
 
 async def test_n_choices_run_as_one_pair_each_seeded_as_vllm_seeds_them_with_each_prompt_counted_once(client, workers):

@@ -6,12 +6,18 @@ that tell the decode worker where to read the state. The decode worker gets the
 client's own request plus those parameters, unchanged, and pulls the state over
 NIXL. For hybrid models the prefill stops at token N-1 and the decode worker
 recomputes token N, so the token the prefill samples is never shown to the client.
+
+Both legs' ``kv_transfer_params`` also carry the router's id of the leg
+(:data:`~connector.timeline.REQUEST_ID_PARAM`): vLLM renames a request inside its engine,
+and the hand-off timeline (``connector/timeline_engine.py``) names the engine's events by
+the router's id. vLLM's connector ignores keys it does not know.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from connector.timeline import REQUEST_ID_PARAM
 from services.router.jsoncodec import ENCODER, dumps
 
 __all__ = ["PREFILL_KV_TRANSFER_PARAMS", "LegEncoder", "prefill_body", "decode_body"]
@@ -30,25 +36,27 @@ PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {
 _DROPPED_FOR_PREFILL = ("stream", "stream_options", "min_tokens")
 
 
-def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The prefill leg's request: the client's request cut to one token, not streamed."""
+def prefill_body(body: dict[str, Any], request_id: str | None = None) -> dict[str, Any]:
+    """The prefill leg's request: the client's request cut to one token, not streamed; ``request_id``: the leg's."""
     out = {k: v for k, v in body.items() if k not in _DROPPED_FOR_PREFILL}
     out["max_tokens"] = 1
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
     out["stream"] = False
-    out["kv_transfer_params"] = dict(PREFILL_KV_TRANSFER_PARAMS)
+    out["kv_transfer_params"] = {**PREFILL_KV_TRANSFER_PARAMS, **({} if request_id is None else {REQUEST_ID_PARAM: request_id})}
     return out
 
 
-def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any] | None) -> dict[str, Any]:
-    """The decode leg's request: the client's request plus the prefill's transfer parameters.
+def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any] | None, request_id: str | None = None) -> dict[str, Any]:
+    """The decode leg's request: the client's request plus the prefill's transfer parameters (and ``request_id``, the leg's).
 
     Without parameters (the prefill had no state to hand over) the decode worker
     prefills locally; the client's request goes as it came.
     """
     if kv_transfer_params is None:
         return dict(body)
+    if request_id is not None:
+        kv_transfer_params = {**kv_transfer_params, REQUEST_ID_PARAM: request_id}
     return {**body, "kv_transfer_params": kv_transfer_params}
 
 

@@ -6,6 +6,10 @@ they happen: a failed prefill leg falls back to a local prefill on the decode wo
 prefill worker's refusal (4xx) is the client's answer, and a decode worker that fails
 before its first byte is replaced once. Every leg in flight holds a registry
 :class:`~services.router.registry.Lease`, released when the leg ends however it ends.
+
+With ``--timeline-dir`` each leg's hand-offs are recorded (:mod:`connector.timeline`):
+``prefill_sent``, ``prefill_answered``, ``decode_sent`` and a stream's ``decode_first_byte``,
+named by the leg's request id (the one its ``X-Request-Id`` and ``kv_transfer_params`` carry).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Any, Literal
 
 import httpx
 
+from connector.timeline import TimelineWriter, writer_for
 from services.common.logs import kv
 from services.common.openai_errors import OpenAIError
 from services.router.legs import LegEncoder, decode_body, prefill_body
@@ -123,8 +128,10 @@ def decode_chunks(state: RouterState, path: str, routed: Routed, request_id: str
     stream with an error event instead of holding it open.
     """
     settings, worker = state.settings, routed.worker
+    trace = _timeline(state)
     if routed.migratable is None:
-        return with_stall_timeout(routed.response.aiter_bytes(), settings.decode_stall_timeout_s)
+        chunks = with_stall_timeout(routed.response.aiter_bytes(), settings.decode_stall_timeout_s)
+        return chunks if trace is None else _first_byte_noted(chunks, trace, request_id)
 
     async def reroute(body: dict[str, Any], avoid: set[str]) -> Opened:
         following = await route(state, path, body, f"{request_id}-migrated", avoid)
@@ -136,7 +143,24 @@ def decode_chunks(state: RouterState, path: str, routed: Routed, request_id: str
 
     first = Opened(routed.response.aiter_bytes(), worker.id, worker.url, routed.aclose)
     counted = lambda outcome: state.metrics.migrations.labels(outcome).inc()  # noqa: E731
-    return migrating_chunks(first, routed.migratable, reroute, settings.migration_limit, settings.decode_stall_timeout_s, counted)
+    chunks = migrating_chunks(first, routed.migratable, reroute, settings.migration_limit, settings.decode_stall_timeout_s, counted)
+    return chunks if trace is None else _first_byte_noted(chunks, trace, request_id)
+
+
+async def _first_byte_noted(chunks: AsyncIterator[bytes], trace: TimelineWriter, request_id: str) -> AsyncIterator[bytes]:
+    """``chunks`` as they come; the first one's arrival is the timeline's ``decode_first_byte`` of ``request_id``."""
+    first = True
+    async for chunk in chunks:
+        if first:
+            trace.event("decode_first_byte", rid=request_id)
+            first = False
+        yield chunk
+
+
+def _timeline(state: RouterState) -> TimelineWriter | None:
+    """The router's timeline writer, None when ``--timeline-dir`` is off."""
+    directory = state.settings.timeline_dir
+    return writer_for(directory, "router") if directory else None
 
 
 def _one_choice_each(path: str, body: dict[str, Any], limit: int) -> list[tuple[int, dict[str, Any]]] | None:
@@ -190,6 +214,7 @@ async def route(state: RouterState, path: str, body: dict[str, Any], request_id:
     pairing, metrics = state.pairing, state.metrics
     info = RequestInfo.from_body(body, state.settings.prefix_affinity_chars)
     encoder = LegEncoder(body)
+    trace = _timeline(state)
     headers = {"X-Request-Id": request_id}
     tried: set[str] = set(avoid)
     prefill_s = 0.0
@@ -202,16 +227,23 @@ async def route(state: RouterState, path: str, body: dict[str, Any], request_id:
         if choice.worker is None:
             metrics.fallbacks.labels(choice.fallback).inc()
         else:
+            leg_body = encoder.encode(prefill_body(body, request_id))
+            if trace is not None:
+                trace.event("prefill_sent", rid=request_id)
             leg_started = time.perf_counter()
-            outcome = await _prefill_leg(state, choice.worker, path, encoder.encode(prefill_body(body)), headers, info)
+            outcome = await _prefill_leg(state, choice.worker, path, leg_body, headers, info)
             prefill_s += time.perf_counter() - leg_started
+            if trace is not None:
+                trace.event("prefill_answered", rid=request_id)
             if outcome.kind == "refused":
                 return Routed(outcome.response, choice.worker, None, None, time.perf_counter())
             if outcome.kind == "failed":
                 metrics.fallbacks.labels("prefill_failed").inc()
             kv_params, prefill_usage = outcome.kv_transfer_params, outcome.usage
         metrics.overhead.observe(max(0.0, time.perf_counter() - started - prefill_s))
-        leg_body = encoder.encode(decode_body(body, kv_params))
+        leg_body = encoder.encode(decode_body(body, kv_params, request_id))
+        if trace is not None:
+            trace.event("decode_sent", rid=request_id)
         routed = await _decode_leg(state, decode, path, leg_body, headers, info, prefill_usage, attempt)
         if routed is not None:
             if log.isEnabledFor(logging.INFO):  # one line per request: skip formatting it when INFO is off
