@@ -101,6 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=checked(Path, checks.output_dir),
         help="where each service's log goes (default: .hybrid-pd/logs)",
     )
+    up.add_argument(
+        "--timeline-dir",
+        type=checked(Path, checks.output_dir),
+        help="the router and the P/D workers record the hand-off timeline here (hybrid-pd bench --timeline reads it)",
+    )
 
     router = sub.add_parser("router", help="run the router")
     router.add_argument("--host")
@@ -250,6 +255,7 @@ def _run_up(args: argparse.Namespace) -> int:
         decode=args.decode,
         device=args.device,
         baseline=args.baseline,
+        timeline_dir=args.timeline_dir,
         **({"log_dir": args.log_dir} if args.log_dir else {}),
     )
     stack = Stack(config)

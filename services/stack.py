@@ -44,6 +44,7 @@ class StackConfig:
     log_dir: Path = field(default_factory=lambda: Path.cwd() / ".hybrid-pd" / "logs")
     ready_timeout_s: float = 900.0
     worker_args: tuple[str, ...] = ()
+    timeline_dir: Path | None = None  # the router and the P/D workers record the hand-off timeline here
 
 
 @dataclass(frozen=True)
@@ -99,12 +100,14 @@ class Stack:
                 ]  # fmt: skip
                 if role != "colocated":
                     argv += ["--side-channel-port", str(free_port())]
+                    argv += ["--timeline-dir", str(cfg.timeline_dir)] if cfg.timeline_dir else []
                 if cfg.device == "cpu":
                     argv += ["--cpu-threads-bind", str(index % _cores())]
                 index += 1
                 url = f"http://127.0.0.1:{port}"
                 services.append(Service(f"{role}-{i}", argv, url, url + "/health"))
         router = _cli() + ["router", "--host", cfg.host, "--port", str(cfg.port)]
+        router += ["--timeline-dir", str(cfg.timeline_dir)] if cfg.timeline_dir else []
         for role in ("prefill", "decode"):
             for s in services:
                 if s.name.startswith(role):

@@ -33,6 +33,13 @@ def test_cpu_workers_are_pinned_to_cores_in_turn():
     assert _flag(_stack(device="cuda").services[0].argv, "--cpu-threads-bind") == []
 
 
+def test_a_timeline_folder_goes_to_the_router_and_the_pd_workers_not_the_baseline():
+    stack = _stack(baseline=True, timeline_dir="/tmp/tl")
+    traced = {s.name for s in stack.services if _flag(s.argv, "--timeline-dir") == ["/tmp/tl"]}
+    assert traced == {"prefill-0", "decode-0", "router"}
+    assert all(_flag(s.argv, "--timeline-dir") == [] for s in _stack(baseline=True).services)
+
+
 def _sleeper(seconds: float) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({seconds})"])
 

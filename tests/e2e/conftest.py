@@ -24,7 +24,13 @@ def nixl_trace_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def stack(tmp_path_factory, nixl_trace_dir: Path) -> Stack:
+def timeline_dir(tmp_path_factory) -> Path:
+    """Where the stack's router and P/D workers record the hand-off timeline (connector/timeline.py)."""
+    return tmp_path_factory.mktemp("timeline")
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory, nixl_trace_dir: Path, timeline_dir: Path) -> Stack:
     model, name = resolve_model(os.environ.get("HYBRID_PD_TEST_MODEL"), "hybrid-pd-tiny")
     config = StackConfig(
         model=model,
@@ -36,6 +42,7 @@ def stack(tmp_path_factory, nixl_trace_dir: Path) -> Stack:
         log_dir=Path(os.environ["HYBRID_PD_TEST_LOGS"]) if "HYBRID_PD_TEST_LOGS" in os.environ else tmp_path_factory.mktemp("stack-logs"),
         ready_timeout_s=600,
         worker_args=("--nixl-trace-dir", str(nixl_trace_dir)),
+        timeline_dir=timeline_dir,
     )
     with Stack(config) as running:
         yield running
