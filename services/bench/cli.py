@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -87,6 +88,13 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-itl-ms", type=positive, metavar="Y", help="goodput: mean inter-token latency at most Y ms")
     p.add_argument("--json", dest="json_out", type=output, metavar="OUT", help="write the report (every request too)")
     p.add_argument("--plot", type=output, metavar="OUT.png", help="draw latency against load (needs matplotlib)")
+    p.add_argument(
+        "--timeline",
+        type=Path,
+        metavar="DIR",
+        help="the --timeline-dir of the endpoint's router and workers, readable here: print the hand-off budget of "
+        "each level (where the endpoint's TTFT goes, segment by segment) and add it to --json",
+    )
     p.add_argument("--model", help="model name to request (default: the first of each target's /v1/models)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts and of the arrival times (default 0)")
     p.add_argument(
@@ -124,14 +132,18 @@ def run_bench(args: argparse.Namespace) -> int:
         except PlotUnavailable as exc:
             log.error("%s", exc)
             return EXIT_USAGE
+    run_id = uuid.uuid4().hex[:12] if args.timeline is not None else None
     try:
-        report = asyncio.run(_bench(args))
+        report = asyncio.run(_bench(args, run_id))
     except EndpointError as exc:
         log.error("%s", exc)
         return EXIT_ERRORS
     print(format_table(report), flush=True)
+    out = report.to_json()
+    if run_id is not None:
+        out["timeline"] = _timeline(args.timeline, run_id, report)
     if args.json_out is not None:
-        write_json(report.to_json(), args.json_out)
+        write_json(out, args.json_out)
         log.info("wrote %s", args.json_out)
     if args.plot is not None:
         plot_latency(report, args.plot)
@@ -139,7 +151,25 @@ def run_bench(args: argparse.Namespace) -> int:
     return report.exit_code
 
 
-async def _bench(args: argparse.Namespace) -> BenchReport:
+def _timeline(directory: Path, run_id: str, report: BenchReport) -> dict:
+    """Print the endpoint's hand-off budget at each level of this run (requests named ``run_id``); the JSON of them."""
+    from services.bench.budget import budget, format_budget
+    from services.bench.runner import level_request_ids
+    from services.bench.timeline import load_events, timelines
+
+    found = timelines(load_events(directory)) if directory.is_dir() else []
+    levels = []
+    for level in report.levels:
+        prefix = level_request_ids(run_id, "endpoint", level.load) + "-"
+        b = budget(prefix[:-1], [t for t in found if t.rid.startswith(prefix)])
+        if not b.requests:
+            log.warning("no request of %s is traced in %s: are the router and workers started with --timeline-dir %s?", level.load.label, directory, directory)
+        print("\n" + format_budget(b, f"hand-off budget at {level.load.label}"), flush=True)
+        levels.append({"load": level.load.to_json(), **b.to_json()})
+    return {"dir": str(directory), "run_id": run_id, "levels": levels}
+
+
+async def _bench(args: argparse.Namespace, run_id: str | None) -> BenchReport:
     import httpx
 
     from services.bench.client import ClientPool, EndpointError, Sampling, model_entry
@@ -186,7 +216,7 @@ async def _bench(args: argparse.Namespace) -> BenchReport:
         level_prompts = [measured[i * k : (i + 1) * k] for i in range(len(loads))]
         for target in targets:
             await warm_up(pool, target, warmup, Sampling(target.model, args.output_len))
-        runs = await run_levels(pool, targets, level_prompts, args.output_len, loads, seed=args.seed)
+        runs = await run_levels(pool, targets, level_prompts, args.output_len, loads, seed=args.seed, run_id=run_id)
     return build_report(config, targets, runs)
 
 

@@ -123,19 +123,20 @@ class _Stream:
             self.usage = event["usage"]
 
 
-async def complete(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> RequestResult:
-    """Send one completion request to ``url`` (the full ``.../v1/completions`` URL) and time it."""
+async def complete(client: httpx.AsyncClient, url: str, body: dict[str, Any], request_id: str | None = None) -> RequestResult:
+    """Send one completion request to ``url`` (the full ``.../v1/completions`` URL) and time it; ``request_id``: its ``X-Request-Id``."""
+    headers = None if request_id is None else {"X-Request-Id": request_id}
     if body.get("stream"):
-        return await _streamed(client, url, body)
-    return await _whole(client, url, body)
+        return await _streamed(client, url, body, headers)
+    return await _whole(client, url, body, headers)
 
 
-async def _streamed(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> RequestResult:
+async def _streamed(client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str] | None) -> RequestResult:
     sent = time.perf_counter()
     seen = _Stream()
     status = None
     try:
-        async with client.stream("POST", url, json=body) as response:
+        async with client.stream("POST", url, json=body, headers=headers) as response:
             status = response.status_code
             if status != 200:
                 text = (await response.aread()).decode("utf-8", "replace")[:_ERROR_BODY_CHARS]
@@ -171,10 +172,10 @@ async def _streamed(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -
     )
 
 
-async def _whole(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> RequestResult:
+async def _whole(client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str] | None) -> RequestResult:
     sent = time.perf_counter()
     try:
-        response = await client.post(url, json=body)
+        response = await client.post(url, json=body, headers=headers)
     except httpx.HTTPError as exc:
         return RequestResult(sent, time.perf_counter() - sent, error=_describe(exc))
     e2e = time.perf_counter() - sent

@@ -19,7 +19,7 @@ from typing import Literal
 from services.bench.client import ClientPool, RequestResult, Sampling, base_url, complete
 from services.eval.progress import Progress
 
-__all__ = ["Load", "Target", "TargetRun", "parse_loads", "run_level", "run_levels", "warm_up"]
+__all__ = ["Load", "Target", "TargetRun", "level_request_ids", "parse_loads", "run_level", "run_levels", "warm_up"]
 
 log = logging.getLogger("hybrid_pd.bench")
 
@@ -40,6 +40,11 @@ class Load:
         if self.kind == "concurrency":
             return f"c={int(self.value)}"
         return "rate=inf" if self.value == float("inf") else f"rate={self.value:g}/s"
+
+    @property
+    def tag(self) -> str:
+        """The level in a request id: ``c32``, ``r2.5``, ``rinf``."""
+        return f"c{int(self.value)}" if self.kind == "concurrency" else f"r{self.value:g}"
 
     def to_json(self) -> dict[str, object]:
         value: object = int(self.value) if self.kind == "concurrency" else self.value
@@ -94,14 +99,20 @@ async def run_level(
     load: Load,
     seed: int = 0,
     progress: Progress | None = None,
+    request_ids: str | None = None,
 ) -> TargetRun:
-    """Send every prompt to ``target`` at ``load``; results are in prompt order."""
+    """Send every prompt to ``target`` at ``load``; results are in prompt order.
+
+    ``request_ids``: request ``i`` is sent with ``X-Request-Id: <request_ids>-<i>`` (the
+    hand-off timeline finds a level's requests by it); None: with none.
+    """
     url = target.completions_url
     results: list[RequestResult | None] = [None] * len(prompts)
 
     async def one(i: int) -> None:
+        request_id = None if request_ids is None else f"{request_ids}-{i}"
         async with pool.client(url) as client:
-            results[i] = result = await complete(client, url, sampling.body(prompts[i]))
+            results[i] = result = await complete(client, url, sampling.body(prompts[i]), request_id)
         if progress is not None:
             progress.advance(error=not result.ok)
 
@@ -138,6 +149,11 @@ async def _poisson(one: Callable[[int], Awaitable[None]], count: int, rate: floa
     await asyncio.gather(*tasks)
 
 
+def level_request_ids(run_id: str, role: str, load: Load) -> str:
+    """The prefix of the request ids one target gets at one level of run ``run_id``."""
+    return f"{run_id}-{role}-{load.tag}"
+
+
 async def warm_up(pool: ClientPool, target: Target, prompts: Sequence[list[int]], sampling: Sampling) -> None:
     """Send ``prompts`` one at a time and forget the answers (first-request costs stay out of the figures)."""
     for prompt in prompts:
@@ -156,8 +172,12 @@ async def run_levels(
     seed: int = 0,
     show_progress: bool | None = None,
     stream: bool = True,
+    run_id: str | None = None,
 ) -> list[list[TargetRun]]:
-    """For each load level (with its own prompts), every target in turn: ``runs[level][target]``."""
+    """For each load level (with its own prompts), every target in turn: ``runs[level][target]``.
+
+    ``run_id``: requests carry ids ``<run_id>-<role>-<load tag>-<i>`` (:func:`level_request_ids`).
+    """
     runs: list[list[TargetRun]] = []
     for level, (load, prompts) in enumerate(zip(loads, level_prompts, strict=True)):
         level_runs = []
@@ -166,7 +186,8 @@ async def run_levels(
             progress = Progress(f"{target.role} {load.label}", len(prompts), enabled=show_progress)
             try:
                 sampling = Sampling(target.model, output_len, stream=stream)
-                level_runs.append(await run_level(pool, target, prompts, sampling, load, seed + level, progress))
+                ids = None if run_id is None else level_request_ids(run_id, target.role, load)
+                level_runs.append(await run_level(pool, target, prompts, sampling, load, seed + level, progress, ids))
             finally:
                 progress.close()
         runs.append(level_runs)
