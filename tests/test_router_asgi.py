@@ -100,7 +100,7 @@ async def test_a_client_leaving_while_it_sends_its_body_is_a_499_and_reaches_no_
     client = _Body([b'{"model": "m", "pro'], then_leaves=True)
     state = await _call(workers, client)
     assert client.sent[0]["status"] == 499 and workers.calls == []
-    assert state.metrics.rejected.labels("499")._value.get() == 1 and state.inflight == 0
+    assert state.metrics.requests.labels("completions", "client_disconnected")._value.get() == 1 and state.inflight == 0
 
 
 async def test_an_unexpected_error_is_an_openai_500_and_goes_on_to_the_server(workers):

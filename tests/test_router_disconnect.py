@@ -113,7 +113,7 @@ async def test_a_client_leaving_while_the_decode_worker_works_cancels_the_leg_an
     assert decode.cancelled.is_set(), "the decode leg went on after the client left"
     assert client.status == 499
     assert [w.inflight for w in state.registry.all()] == [0, 0] and state.inflight == 0
-    assert state.metrics.rejected.labels("499")._value.get() == 1
+    assert state.metrics.requests.labels("completions", "client_disconnected")._value.get() == 1
 
 
 async def test_a_client_leaving_mid_stream_closes_the_decode_stream_and_frees_its_lease():

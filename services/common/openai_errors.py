@@ -19,9 +19,9 @@ _TYPES = {
 }
 
 
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    """``{"error": {...}}`` as OpenAI and vLLM send it."""
-    err_type = _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None, err_type: str | None = None) -> dict:
+    """``{"error": {...}}`` as OpenAI and vLLM send it; ``err_type`` replaces the type the status implies (vLLM's own names)."""
+    err_type = err_type or _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
     return {"error": {"message": message, "type": err_type, "param": param, "code": code or status}}
 
 
@@ -37,6 +37,7 @@ class OpenAIError(Exception):
     status: int
     message: str
     param: str | None = None
+    err_type: str | None = None
 
     def body(self) -> dict:
-        return error_body(self.status, self.message, self.param)
+        return error_body(self.status, self.message, self.param, err_type=self.err_type)

@@ -1,7 +1,7 @@
 """The public, OpenAI-compatible endpoint in front of prefill and decode workers.
 
-This module is the HTTP surface: dispatch, the request body, auth, refusals, ``/health``,
-``/metrics`` and ``/v1/models``. A generation request is routed by
+This module is the HTTP surface: dispatch, the request body, auth, refusals, ``/health`` and
+``/metrics``. A generation request is routed by
 :func:`services.router.route.route_request` (pairing, prefill leg, decode leg) and answered
 by :mod:`services.router.relay` (answers merged, streams relayed with merged usage). A
 client that goes away cancels the request where it stands (:mod:`services.router.disconnect`):
@@ -10,7 +10,10 @@ vLLM aborts it and the prefill's held blocks are released.
 The two generation paths (``POST /v1/completions``, ``POST /v1/chat/completions``) carry
 all the traffic and are served as plain ASGI (:class:`RouterApp`): Starlette's middleware,
 routing, FastAPI's dependency solving and its request and response objects cost more CPU per
-request than anything the router does itself. Every other route is FastAPI's.
+request than anything the router does itself. vLLM's model-level paths that the router
+forwards to a decode worker (:mod:`services.router.aux_endpoints`: ``/tokenize``,
+``/v1/models``, ...) go the same way, so they share the generation paths' auth, body limit
+and error answers. Every other route is FastAPI's.
 """
 
 from __future__ import annotations
@@ -32,9 +35,10 @@ from connector.compat import WorkerIdentity
 from services.common.logs import request_id_var
 from services.common.openai_errors import OpenAIError, error_body
 from services.router.admin import admin_routes
+from services.router.aux_endpoints import AUX_PATHS, forward
 from services.router.disconnect import cancel_on_disconnect
 from services.router.jsoncodec import dumps, loads_strict
-from services.router.metrics import RouterMetrics
+from services.router.metrics import GENERATION, Route, RouterMetrics
 from services.router.pairing import Pairing, PromptLengthDecider
 from services.router.policies import make_policy
 from services.router.registry import Registry, Worker
@@ -46,16 +50,19 @@ from services.router.upstream import AiohttpTransport, Upstream
 
 __all__ = ["create_app", "RouterApp"]
 
-_JSON = "application/json"
 
-# The generation paths served as plain ASGI, and their ``route`` label in the metrics.
-_GENERATION_ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "completions"}
+# The paths served as plain ASGI: path -> (its method, its ``route`` label in the metrics).
+_ASGI_PATHS: dict[str, tuple[str, Route]] = {
+    "/v1/completions": ("POST", "completions"),
+    "/v1/chat/completions": ("POST", "chat"),
+    **AUX_PATHS,
+}
 _JSON_TYPE = (b"content-type", b"application/json")
 _SSE_TYPE = (b"content-type", b"text/event-stream; charset=utf-8")
 
 
 class RouterApp(FastAPI):
-    """The router's app: :func:`_serve` takes the generation paths as plain ASGI, FastAPI the rest."""
+    """The router's app: :func:`_serve` takes the generation and forwarded paths as plain ASGI, FastAPI the rest."""
 
     def __init__(self, router_state: RouterState, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -63,14 +70,14 @@ class RouterApp(FastAPI):
         self._router_state = router_state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        route = _GENERATION_ROUTES.get(scope["path"]) if scope["type"] == "http" else None
-        if route is None:
+        served = _ASGI_PATHS.get(scope["path"]) if scope["type"] == "http" else None
+        if served is None:
             await super().__call__(scope, receive, send)
-        elif scope["method"] != "POST":
-            headers = [(b"allow", b"POST")]
+        elif scope["method"] != served[0]:
+            headers = [(b"allow", served[0].encode())]
             await _send_json(send, 405, dumps(_method_not_allowed(scope["method"], scope["path"])), headers)
         else:
-            await _serve(self._router_state, scope, receive, send, route)
+            await _serve(self._router_state, scope, receive, send, served[1])
 
 
 def create_app(settings: RouterSettings, transport: httpx.AsyncBaseTransport | None = None) -> RouterApp:
@@ -140,23 +147,11 @@ def create_app(settings: RouterSettings, transport: httpx.AsyncBaseTransport | N
         metrics.evictions.set(registry.evictions)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        _authorize(request.headers.get("authorization", ""), settings.api_keys)
-        decodes = [w for w in registry.role("decode") if w.available]
-        if not decodes:
-            raise OpenAIError(503, "no decode worker is available")
-        try:
-            upstream = await state.upstream.get(decodes[0].url + "/v1/models")
-        except httpx.HTTPError as exc:
-            raise OpenAIError(502, f"decode worker unreachable: {type(exc).__name__}") from exc
-        return Response(upstream.content, status_code=upstream.status_code, media_type=_JSON)
-
     return app
 
 
 def _rejected(state: RouterState, exc: OpenAIError) -> dict[str, str] | None:
-    """Count a request refused with ``exc``; the headers its answer carries (``Retry-After`` for 429 and 503)."""
+    """Count a request the router answers with ``exc``; the headers its answer carries (``Retry-After`` for 429 and 503)."""
     state.metrics.rejected.labels(str(exc.status)).inc()
     return {"Retry-After": "1"} if exc.status in (429, 503) else None
 
@@ -200,12 +195,14 @@ async def _read_body(receive: Receive, declared: str | None, limit: int) -> dict
     return body
 
 
-async def _serve(state: RouterState, scope: Scope, receive: Receive, send: Send, route: str) -> None:
-    """Answer one generation request, speaking ASGI: routed, then answered whole or relayed as a stream.
+async def _serve(state: RouterState, scope: Scope, receive: Receive, send: Send, route: Route) -> None:
+    """Answer one request on a plain-ASGI path, speaking ASGI: a generation request routed, then
+    answered whole or relayed as a stream; any other forwarded to a decode worker.
 
     An :class:`OpenAIError` becomes an OpenAI error answer (once an answer has started, there is
     nobody to tell: a client that left mid-stream); any other exception a 500 before it goes on
-    to the server, as Starlette's error middleware does.
+    to the server, as Starlette's error middleware does. A client that left before its answer
+    (499) counts as a request of its route that ended ``client_disconnected``, not as a refusal.
     """
     arrived = time.perf_counter()
     authorization, declared, request_id = "", None, None
@@ -222,12 +219,22 @@ async def _serve(state: RouterState, scope: Scope, receive: Receive, send: Send,
     client = _Client(send)
     try:
         _authorize(authorization, state.settings.api_keys)
-        body = await _read_body(receive, declared, state.settings.max_body_bytes)
-        await _generate(state, client, receive, body, scope["path"], route, request_id, id_header, arrived)
+        body = await _read_body(receive, declared, state.settings.max_body_bytes) if scope["method"] == "POST" else None
+        if route in GENERATION:
+            assert body is not None  # generation paths are POST
+            await _generate(state, client, receive, body, scope["path"], route, request_id, id_header, arrived)
+        else:
+            status, content = await forward(state, scope["path"], body, request_id)
+            await _send_json(client.send, status, content, [id_header])
+            state.metrics.finished(route, "ok" if status == 200 else f"http_{status}", arrived)
     except OpenAIError as exc:
         if client.started:
             return
-        headers = _rejected(state, exc) or {}
+        if exc.status == 499:
+            state.metrics.finished(route, "client_disconnected", arrived)
+            headers = {}
+        else:
+            headers = _rejected(state, exc) or {}
         extra = [id_header, *((k.lower().encode(), v.encode()) for k, v in headers.items())]
         await _send_json(send, exc.status, dumps(exc.body()), extra)
     except Exception:
@@ -242,7 +249,7 @@ async def _generate(
     receive: Receive,
     body: dict[str, Any],
     path: str,
-    route: str,
+    route: Route,
     request_id: str,
     id_header: tuple[bytes, bytes],
     arrived: float,
@@ -259,7 +266,7 @@ async def _generate(
             failed = next((r for r in routed if r.response.status_code != 200), None)
             whole: tuple[int, bytes] | None = None
             if failed is not None or not body.get("stream"):
-                whole = await answer_whole(routed, failed)
+                whole = await answer_whole(state.metrics, routed, failed)
             else:
                 await client.send({"type": "http.response.start", "status": 200, "headers": [_SSE_TYPE, id_header]})
                 chunks_of = lambda answer: decode_chunks(state, path, answer, request_id)  # noqa: E731
@@ -271,8 +278,7 @@ async def _generate(
             return
         status, content = whole
         await _send_json(client.send, status, content, [id_header])
-        state.metrics.requests.labels(route, "ok" if failed is None else f"http_{status}").inc()
-        state.metrics.e2e.observe(time.perf_counter() - arrived)
+        state.metrics.finished(route, "ok" if failed is None else f"http_{status}", arrived)
     finally:
         state.inflight -= 1
 

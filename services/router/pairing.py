@@ -24,8 +24,9 @@ __all__ = ["Fallback", "Pairing", "PrefillChoice", "PromptLengthDecider", "compa
 
 log = logging.getLogger("hybrid_pd.router")
 
-# Why pairing gives a request no prefill leg: its ``reason`` label in ``hybrid_pd_fallbacks``.
-Fallback = Literal["short_prompt", "no_prefill_worker"]
+# Why a request has no prefill leg: its ``reason`` label in ``hybrid_pd_fallbacks``. Pairing gives
+# the first two; ``prefill_failed`` is the route's (the leg was sent and failed).
+Fallback = Literal["short_prompt", "no_prefill_worker", "prefill_failed"]
 
 
 @dataclass(frozen=True)

@@ -166,6 +166,8 @@ class Registry:
             worker.id = old.id
         self._workers[worker.id] = worker
         self._roles.clear()
+        if self._inflight_gauge is not None:  # a series from the start: 0 legs, not "no data"
+            self._inflight_gauge.labels(worker.role, worker.url).set(worker.inflight)
         log.info("worker registered %s", kv(id=worker.id, role=worker.role, url=worker.url))
         return worker
 
@@ -173,6 +175,8 @@ class Registry:
         worker = self._workers.pop(worker_id, None)
         if worker is not None:
             self._roles.clear()
+            if self._inflight_gauge is not None and self.by_url(worker.url) is None:  # a gone worker's count is not 0, it is no more
+                self._inflight_gauge.remove(worker.role, worker.url)
             log.info("worker removed %s", kv(id=worker.id, url=worker.url))
         return worker
 

@@ -29,7 +29,7 @@ from starlette.types import Send
 from services.common.logs import kv
 from services.common.openai_errors import error_event
 from services.router.jsoncodec import dumps
-from services.router.metrics import RouterMetrics
+from services.router.metrics import Route, RouterMetrics
 from services.router.route import Routed
 
 __all__ = ["DecodeStream", "StreamBroke", "answer_whole", "merge_answers", "merge_usage", "relay_answers", "relay_one", "relay_several"]
@@ -203,12 +203,22 @@ async def _lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         yield pending
 
 
-async def answer_whole(routed: Sequence[Routed], failed: Routed | None) -> tuple[int, bytes]:
-    """A whole (non-streamed) answer, or the first failed answer's error as it came: (status, JSON). Closes every answer."""
+async def answer_whole(metrics: RouterMetrics, routed: Sequence[Routed], failed: Routed | None) -> tuple[int, bytes]:
+    """A whole (non-streamed) answer, or the first failed answer's error as it came: (status, JSON). Closes every answer.
+
+    Each decode leg read whole is timed (``decode_leg``) when its last byte is in, as a streamed one is.
+    """
+
+    async def read(r: Routed) -> bytes:
+        content = await r.response.aread()
+        if r.worker.role == "decode":  # not a prefill worker's refusal
+            metrics.decode_leg.observe(time.perf_counter() - r.sent_at)
+        return content
+
     try:
         if failed is not None:
-            return failed.response.status_code, await failed.response.aread()
-        answers = [json.loads(await r.response.aread()) for r in routed]
+            return failed.response.status_code, await read(failed)
+        answers = [json.loads(content) for content in await asyncio.gather(*(read(r) for r in routed))]
         return 200, dumps(merge_answers(answers, [r.prefill_usage for r in routed], [r.prompt for r in routed]))
     finally:
         for r in routed:
@@ -221,7 +231,7 @@ async def relay_answers(
     chunks_of: Callable[[Routed], AsyncIterator[bytes]],
     body: dict,
     arrived: float,
-    route: str,
+    route: Route,
     send: Send,
 ) -> None:
     """Stream the decode answer(s) to the client with merged usage, as ``http.response.body`` messages.
@@ -261,6 +271,7 @@ async def relay_answers(
         await chunks.aclose()
         for r in routed:
             await r.aclose()
-        metrics.requests.labels(route, outcome).inc()
-        metrics.e2e.observe(time.perf_counter() - arrived)
-        metrics.decode_leg.observe(time.perf_counter() - routed[0].sent_at)
+        metrics.finished(route, outcome, arrived)
+        ended = time.perf_counter()
+        for r in routed:
+            metrics.decode_leg.observe(ended - r.sent_at)
