@@ -32,7 +32,11 @@ it is vLLM's pull connector, with the fixes and hooks below switched on per work
    decode-row reclassification (:mod:`connector.decode_rows`) where vLLM lacks it, and
    the lease checked before a pull where vLLM cannot report a failed one. Both are
    reported on vLLM's ``/metrics`` as ``hybrid_pd:capability{capability,state}``.
-7. **Negative control, tests only.** ``HYBRID_PD_TEST_ONLY_DISABLE_DECODE_ROW_FIX=1``
+7. **Hand-off timeline.** When ``HYBRID_PD_TIMELINE_DIR`` is set, the engine records
+   when it queued, scheduled and finished each traced request and when its pulls were
+   posted and noticed complete (:mod:`connector.timeline_engine`); vLLM's HTTP server
+   records the request's arrival and first byte out (:mod:`connector.timeline_http`).
+8. **Negative control, tests only.** ``HYBRID_PD_TEST_ONLY_DISABLE_DECODE_ROW_FIX=1``
    removes vLLM's decode-row reclassification in this engine, behind the start-up
    checks' back: what a vLLM without it does. On a GPU with FULL CUDA graphs such a
    decode worker answers wrongly (``deploy/gpu/gsm8k_gate.py`` shows it).
@@ -58,6 +62,8 @@ from connector.kv_lease import lease_expiry, pull_outlived_lease, stamp_lease
 from connector.nixl_merge import MERGE_ENV, merge_adjacent_descriptors
 from connector.nixl_progress import DELAY_ENV, throttle_progress_thread
 from connector.nixl_trace import TRACE_ENV, record_transfers
+from connector.timeline import from_env as timeline_writer
+from connector.timeline_engine import EngineTimeline
 
 __all__ = ["NixlConnector", "TESTED_VLLM_VERSIONS"]
 
@@ -115,11 +121,15 @@ class _MambaOnlyWorker(NixlPullConnectorWorker):
 class NixlConnector(NixlPullConnector):
     """vLLM's ``NixlConnector`` (pull), with the pure-Mamba handshake fix and the lease check."""
 
+    _timeline: EngineTimeline | None = None  # set in __init__ when the worker records the hand-off timeline
+
     def __init__(self, vllm_config, role, kv_cache_config) -> None:  # noqa: ANN001 - vLLM's signature
         super().__init__(vllm_config, role, kv_cache_config)
         self._lease_s = float(vllm_config.kv_transfer_config.get_from_extra_config("kv_lease_duration", 30))
         self._allocated_expiry: dict[str, float] = {}  # decode scheduler: pulls not yet handed to the workers
         self._pull_expiry: dict[str, float] = {}  # decode worker: pulls in flight
+        if (writer := timeline_writer()) is not None:
+            self._timeline = EngineTimeline(writer, prefill=vllm_config.kv_transfer_config.kv_role == "kv_producer")
         if self.connector_worker is not None and vllm_config.kv_transfer_config.kv_role == "kv_consumer" and not REPORTS_FAILED_PULLS:
             log.warning(
                 "this vLLM cannot report a failed pull of hybrid state (no KVConnectorTransferResults.failed_recving; "
@@ -139,17 +149,23 @@ class NixlConnector(NixlPullConnector):
     # Prefill, scheduler side: the answer's kv_transfer_params say when the lease runs out.
     def request_finished(self, request, block_ids):  # noqa: ANN001, ANN201 - vLLM's signature
         started_at = time.time()
+        if self._timeline is not None:
+            self._timeline.finished(request)
         delay_free, params = super().request_finished(request, block_ids)
         return delay_free, stamp_lease(params, self._lease_s, started_at) if delay_free else params
 
     def request_finished_all_groups(self, request, block_ids):  # noqa: ANN001, ANN201 - vLLM's signature
         started_at = time.time()
+        if self._timeline is not None:
+            self._timeline.finished(request)
         delay_free, params = super().request_finished_all_groups(request, block_ids)
         return delay_free, stamp_lease(params, self._lease_s, started_at) if delay_free else params
 
     # Decode, scheduler side, on a vLLM that cannot report a failed pull (fallback): state whose lease
     # runs out before the pull could complete is not pulled; vLLM prefills the prompt locally.
     def get_num_new_matched_tokens(self, request, num_computed_tokens):  # noqa: ANN001, ANN201 - vLLM's signature
+        if self._timeline is not None:
+            self._timeline.seen(request)
         params = request.kv_transfer_params
         if _CHECK_LEASE_BEFORE_PULL and params and params.get("do_remote_prefill"):
             expires_at = lease_expiry(params)
@@ -186,9 +202,13 @@ class NixlConnector(NixlPullConnector):
         expires_at = lease_expiry(params) if REPORTS_FAILED_PULLS and params and params.get("do_remote_prefill") else None
         if expires_at is not None:
             self._allocated_expiry[request.request_id] = expires_at
+        if self._timeline is not None and num_external_tokens > 0 and params and params.get("do_remote_prefill"):
+            self._timeline.pull_queued(request)
         return super().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output):  # noqa: ANN001, ANN201 - vLLM's signature
+        if self._timeline is not None:
+            self._timeline.step(getattr(scheduler_output, "num_scheduled_tokens", {}))
         meta = super().build_connector_meta(scheduler_output)
         setattr(meta, _LEASE_EXPIRY_ATTR, self._allocated_expiry)
         self._allocated_expiry = {}
@@ -212,4 +232,30 @@ class NixlConnector(NixlPullConnector):
                 results.failed_recving.add(req_id)
         for req_id in finished_req_ids:  # aborted before their pull completed
             self._pull_expiry.pop(req_id, None)
+        if self._timeline is not None:
+            self._timeline.pulled(results.finished_recving, results.failed_recving)
         return results
+
+    # Decode, worker side, for the timeline: pulls posted, and (on a vLLM without
+    # get_transfer_results) pulls noticed complete.
+    def start_load_kv(self, forward_context, **kwargs) -> None:  # noqa: ANN001, ANN003 - vLLM's signature
+        super().start_load_kv(forward_context, **kwargs)
+        if self._timeline is not None:
+            self._timeline.posted(self._pulls_in_flight())
+
+    def get_finished(self, finished_req_ids):  # noqa: ANN001, ANN201 - vLLM's signature
+        done_sending, done_recving = super().get_finished(finished_req_ids)
+        if self._timeline is not None:
+            self._timeline.pulled(done_recving or ())
+        return done_sending, done_recving
+
+    def _pulls_in_flight(self) -> list[str]:
+        """vLLM ids of the pulls with a NIXL read posted (vLLM's ``_recving_transfers``).
+
+        A vLLM without that map: the pulls handed to this step, posted or waiting for a
+        handshake (so a first pull to a new prefill is recorded before its read is posted).
+        """
+        transfers = getattr(self.connector_worker, "_recving_transfers", None)
+        if isinstance(transfers, dict):
+            return [req for req, handles in transfers.items() if handles]
+        return list(getattr(getattr(self, "_connector_metadata", None), "reqs_to_recv", None) or ())

@@ -8,6 +8,7 @@ from connector.launch import WorkerSpec, build_launch
 from connector.nixl_merge import MERGE_ENV
 from connector.nixl_progress import DELAY_ENV
 from connector.nixl_trace import TRACE_ENV
+from connector.timeline import TIMELINE_DIR_ENV, TIMELINE_SOURCE_ENV
 
 
 def _flag(argv, name):
@@ -132,6 +133,15 @@ def test_traced_workers_get_the_trace_folder():
     assert launch.env[TRACE_ENV] == "/tmp/trace"
     assert TRACE_ENV not in build_launch(_spec("decode", device="cuda")).env
     assert TRACE_ENV not in build_launch(_spec("colocated", nixl_trace_dir="/tmp/trace")).env
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_timelined_workers_time_their_server_and_engine_as_their_role(role):
+    launch = build_launch(_spec(role, timeline_dir="/tmp/tl"))
+    assert (launch.env[TIMELINE_DIR_ENV], launch.env[TIMELINE_SOURCE_ENV]) == ("/tmp/tl", role)
+    assert _flag(launch.argv, "--middleware") == "connector.timeline_http.TimelineMiddleware"
+    for spec in (_spec(role), _spec("colocated", side_channel_port=0, timeline_dir="/tmp/tl")):
+        assert "--middleware" not in build_launch(spec).argv and TIMELINE_DIR_ENV not in build_launch(spec).env
 
 
 def test_nixl_progress_thread_is_throttled_on_cpu_workers_only():

@@ -14,5 +14,7 @@ One job per module:
 - :mod:`.stats`: percentiles, summaries and goodput.
 - :mod:`.report`: the text table and the JSON report.
 - :mod:`.plot`: latency against load as a PNG (optional: needs matplotlib).
+- :mod:`.timeline`: the hand-off timeline's traces joined into per-request segments.
+- :mod:`.budget`: those segments as a budget table per load level (``--timeline``).
 - :mod:`.cli`: the ``bench`` subcommand.
 """
