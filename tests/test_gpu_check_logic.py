@@ -43,14 +43,30 @@ def test_compare_identical():
     assert pd_check.compare(same, same)["first_divergence"] is None
 
 
-def test_sweep_plots_each_layout_from_its_summary(tmp_path):
+def _perf_sweep():
     spec = importlib.util.spec_from_file_location("perf_sweep", Path(__file__).parents[1] / "deploy" / "gpu" / "perf_sweep.py")
     perf_sweep = importlib.util.module_from_spec(spec)
     sys.modules["perf_sweep"] = perf_sweep  # its dataclasses look their module up
     spec.loader.exec_module(perf_sweep)
+    return perf_sweep
+
+
+def test_sweep_plots_each_layout_from_its_summary(tmp_path):
+    perf_sweep = _perf_sweep()
     dist = {"count": 10, "mean": 5.0, "p50": 4.0, "p90": 6.0, "p99": 9.0}
     level = {"pd": {k: dist for k in ("ttft_ms", "itl_ms", "e2e_ms")}, "baseline": {k: dist for k in ("ttft_ms", "itl_ms", "e2e_ms")}}
     summary = {"input_len": 1000, "output_len": 64, "layouts": {"one-gpu": {"1": level, "8": level}, "two-gpu": {"1": level}}}
     written = perf_sweep.plot_summary(summary, tmp_path)
     assert [p.name for p in written] == ["sweep-one-gpu.png", "sweep-two-gpu.png"]
     assert all(p.read_bytes().startswith(b"\x89PNG") for p in written)
+
+
+def test_sweep_with_the_timeline_traces_the_pd_workers_and_keeps_each_levels_budget(tmp_path):
+    perf_sweep = _perf_sweep()
+    servers, _ = perf_sweep._servers(["one-gpu"], tmp_path / "model", tmp_path, "cuda", tmp_path / "timeline")
+    traced = {name for name, s in servers.items() if str(tmp_path / "timeline") in s["argv"]}
+    assert traced == {"prefill", "decode0"}  # the colocated baseline is not traced
+    budget = {"group": "g", "requests": 2, "segments": {}, "ttft": {}, "per_request": [{}, {}]}
+    report = {"timeline": {"levels": [{"load": {"kind": "concurrency", "value": 1}, **budget}]}}
+    assert "per_request" not in perf_sweep._timeline_summary(report)["timeline"]
+    assert perf_sweep._timeline_summary({}) == {}

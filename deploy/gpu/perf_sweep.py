@@ -24,6 +24,13 @@ its own, as the workers do), with our UCX rule (``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=
 and with UCX's defaults.
 Writes ``summary.json``, each level's bench JSON and the servers' logs to ``--out``, and
 ``sweep-<layout>.png`` when matplotlib is installed (``--plot-from summary.json`` redraws them).
+
+``--timeline``: the P/D routers and workers also record the hand-off timeline into
+``<out>/timeline`` (``--timeline-dir``), and each level's bench prints and keeps its budget
+(``hybrid-pd bench --timeline``): where P/D's TTFT goes, segment by segment, p50/p90/mean,
+in ``summary.json`` under each level's ``timeline``. The "before" table of issue #12 is
+
+    python deploy/gpu/perf_sweep.py --out results/ --layouts one-gpu --levels 1,32 --timeline
 """
 
 from __future__ import annotations
@@ -58,8 +65,8 @@ DECODE_METRICS = {
 ZERO_COPY = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
 
 
-def _servers(layouts: list[str], model_dir: Path, out: Path, device: str) -> tuple[dict[str, dict], dict[str, tuple]]:
-    """{name: {gpu, argv, url}} of the vLLM servers and {router name: (prefill names, decode names)}."""
+def _servers(layouts: list[str], model_dir: Path, out: Path, device: str, timeline: Path | None) -> tuple[dict[str, dict], dict[str, tuple]]:
+    """{name: {gpu, argv, url}} of the vLLM servers and {router name: (prefill names, decode names)}; ``timeline``: P/D workers record there."""
     common = ["--model", str(model_dir), "--served-model-name", NAME, "--device", device, "--max-model-len", "4096",
               "--max-num-seqs", "64"]  # fmt: skip
     if device == "cuda":
@@ -73,6 +80,7 @@ def _servers(layouts: list[str], model_dir: Path, out: Path, device: str) -> tup
         argv = cli(role, *common, "--port", str(port))
         if role != "colocated":
             argv += ["--side-channel-port", str(free_port()), "--nixl-trace-dir", str(out / "trace")]
+            argv += ["--timeline-dir", str(timeline)] if timeline else []
         servers[name] = {"gpu": gpu, "argv": argv, "url": f"http://127.0.0.1:{port}"}
     routers = {"one-gpu": (["prefill"], ["decode0"]), "one-gpu-baseline": ([], ["colocated0"])}
     if "two-gpu" in layouts:
@@ -84,14 +92,18 @@ def _decode_figures(urls: list[str]) -> dict[str, float]:
     return {key: sum(metrics_of(url, name) for url in urls) for key, name in DECODE_METRICS.items()}
 
 
-def _bench(args: argparse.Namespace, endpoint: str, baseline: str, level: int, prompts: int, seed: int, out: Path | None) -> int:
+def _bench(
+    args: argparse.Namespace, endpoint: str, baseline: str, level: int, prompts: int, seed: int, out: Path | None, timeline: Path | None = None
+) -> int:
     argv = cli("bench", "--endpoint", endpoint, "--baseline", baseline, "--concurrency", str(level),
                "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--num-prompts", str(prompts),
                "--slo-ttft-ms", SLO_TTFT_MS, "--slo-itl-ms", SLO_ITL_MS, "--seed", str(seed), "--warmup", "0")  # fmt: skip
     if out is not None:
         argv += ["--json", str(out)]
+    if timeline is not None:
+        argv += ["--timeline", str(timeline)]
     run = subprocess.run(argv, capture_output=True, text=True, timeout=900)
-    print(run.stdout[-3000:], run.stderr[-1500:], flush=True)
+    print(run.stdout[-6000:], run.stderr[-1500:], flush=True)
     return run.returncode
 
 
@@ -109,7 +121,16 @@ def _level_summary(report_path: Path, figures: dict[str, float]) -> dict:
         "vllm_post_ms_avg": round(figures["post_s"] / n * 1e3, 3),
         "bytes_per_transfer": round(figures["bytes"] / n),
         "descriptors_per_transfer": round(figures["descriptors"] / n, 1),
+        **_timeline_summary(report),
     }
+
+
+def _timeline_summary(report: dict) -> dict:
+    """The level's hand-off budget (``hybrid-pd bench --timeline``) without its per-request rows (those stay in the level's JSON)."""
+    if "timeline" not in report:
+        return {}
+    budget = {k: v for k, v in report["timeline"]["levels"][0].items() if k != "per_request"}
+    return {"timeline": budget}
 
 
 def _floor(trace: Path, out: Path, in_flight: str, case: tuple[str, int, int, bool, int], zero_copy: bool) -> dict:
@@ -161,6 +182,7 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--plot-from", type=Path, metavar="SUMMARY", help="only draw the plots of an earlier run's summary.json into --out")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a smoke run with the embedded model")
+    ap.add_argument("--timeline", action="store_true", help="record the hand-off timeline and keep each level's budget (P/D layouts)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.plot_from:
@@ -169,7 +191,8 @@ def main() -> int:
     layouts = args.layouts.split(",")
     levels = [int(x) for x in args.levels.split(",")]
     model_dir = gpu_model() if args.device == "cuda" else ensure_default_model()
-    servers, routers = _servers(layouts, model_dir, args.out, args.device)
+    timeline = args.out / "timeline" if args.timeline else None
+    servers, routers = _servers(layouts, model_dir, args.out, args.device, timeline)
     procs, urls = {}, {}
     started = time.monotonic()
     for name, server in servers.items():
@@ -178,10 +201,11 @@ def main() -> int:
     for name, (prefills, decodes) in routers.items():
         port = free_port()
         argv = cli("router", "--port", str(port))
+        argv += ["--timeline-dir", str(timeline)] if timeline and prefills else []  # the P/D routers, not the baselines'
         argv += [a for p in prefills for a in ("--prefill", urls[p])] + [a for d in decodes for a in ("--decode", urls[d])]
         procs[name] = spawn(argv, log=args.out / f"router-{name}.log")
         urls[name] = f"http://127.0.0.1:{port}"
-    summary: dict = {"layouts": {}, "levels": levels, "input_len": args.input_len, "output_len": args.output_len}
+    summary: dict = {"layouts": {}, "levels": levels, "input_len": args.input_len, "output_len": args.output_len, "timeline": args.timeline}
     try:
         summary["ready_s"] = wait_all_ready(procs, urls, args.out, started, timeout_s=600)
         for layout in layouts:
@@ -192,7 +216,7 @@ def main() -> int:
             for level in levels:
                 before = _decode_figures(decode_urls)
                 report = args.out / f"{layout}-c{level}.json"
-                code = _bench(args, endpoint, baseline, level, max(32, args.prompts_per_request_in_flight * level), level, report)
+                code = _bench(args, endpoint, baseline, level, max(32, args.prompts_per_request_in_flight * level), level, report, timeline)
                 time.sleep(11)  # vLLM publishes NIXL stats once per logging interval
                 after = _decode_figures(decode_urls)
                 results[level] = {"bench_exit_code": code, **_level_summary(report, {k: after[k] - before[k] for k in after})}
