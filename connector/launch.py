@@ -7,9 +7,10 @@ function whose docstring says why it exists; :func:`build_launch` composes them.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Literal
 
 from connector.capabilities import CAPABILITIES_ENV, DECODE_ROW
@@ -17,6 +18,7 @@ from connector.compat import CONV_STATE_LAYOUT
 from connector.nixl_merge import MERGE_ENV
 from connector.nixl_progress import DELAY_ENV
 from connector.nixl_trace import TRACE_ENV
+from connector.plan import PlanError, model_shape
 from connector.timeline import TIMELINE_DIR_ENV, TIMELINE_SOURCE_ENV
 
 __all__ = ["Launch", "Role", "Device", "WorkerSpec", "build_launch", "dtype", "kv_transfer_config"]
@@ -291,6 +293,27 @@ def capability_args(spec: WorkerSpec) -> list[str]:
     return []
 
 
+def gdn_prefill_args(spec: WorkerSpec) -> list[str]:
+    """GDN prefill on vLLM's Triton/FLA kernel where FlashInfer is not installed.
+
+    vLLM (0.26, Hopper) picks FlashInfer's GDN prefill kernel by default and imports it at the
+    first prefill, so a Qwen3-Next / Qwen3.5 worker without ``flashinfer`` starts, reports
+    healthy and dies on its first request (``No module named 'flashinfer'``). Prefill and decode
+    then use the same Triton kernels on every GPU; the state they hand over is the same either way.
+    Only where this vLLM has the setting (``--gdn-prefill-backend``).
+    """
+    if spec.device != "cuda" or importlib.util.find_spec("flashinfer") is not None:
+        return []
+    try:
+        if model_shape(spec.model).state_kind != "gdn":
+            return []
+    except PlanError:  # no readable config here: vLLM reports the model path itself
+        return []
+    from vllm.engine.arg_utils import EngineArgs
+
+    return ["--gdn-prefill-backend", "triton"] if "gdn_prefill_backend" in {f.name for f in fields(EngineArgs)} else []
+
+
 def build_launch(spec: WorkerSpec) -> Launch:
     """The vLLM OpenAI server command and environment for ``spec``.
 
@@ -317,7 +340,7 @@ def build_launch(spec: WorkerSpec) -> Launch:
     config = kv_transfer_config(spec)
     if config is not None:
         argv += ["--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
-    argv += timeline_args(spec) + list(spec.vllm_args) + capability_args(spec)
+    argv += gdn_prefill_args(spec) + timeline_args(spec) + list(spec.vllm_args) + capability_args(spec)
     env = {
         **state_layout_env(spec),
         **side_channel_env(spec),

@@ -1,5 +1,6 @@
 """The vLLM command line and environment each worker role gets."""
 
+import importlib.util
 import json
 
 import pytest
@@ -159,3 +160,22 @@ def test_decode_recomputes_when_a_pull_fails_and_prefill_lease_is_configurable()
     assert "kv_load_failure_policy" not in prefill
     assert "kv_connector_extra_config" not in json.loads(_flag(build_launch(_spec("prefill")).argv, "--kv-transfer-config"))
 
+
+
+def _gdn_model(tmp_path):
+    from services.models.families import FAMILIES
+
+    (tmp_path / "config.json").write_text(FAMILIES["qwen3_next"].config().to_json_string())
+    return str(tmp_path)
+
+
+def test_gdn_prefill_runs_on_triton_on_gpus_without_flashinfer(tmp_path, monkeypatch):
+    """vLLM 0.26 on Hopper imports FlashInfer at a GDN model's first prefill: without it the engine dies."""
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "flashinfer" else real_find_spec(name, *a))
+    argv = build_launch(_spec("prefill", device="cuda", model=_gdn_model(tmp_path))).argv
+    assert _flag(argv, "--gdn-prefill-backend") == "triton"
+    for other in (_spec("prefill", device="cpu", model=_gdn_model(tmp_path)), _spec("prefill", device="cuda")):
+        assert "--gdn-prefill-backend" not in build_launch(other).argv  # CPU, or no GDN model (no readable config)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flashinfer" else real_find_spec(name, *a))
+    assert "--gdn-prefill-backend" not in build_launch(_spec("prefill", device="cuda", model=_gdn_model(tmp_path))).argv
