@@ -124,9 +124,17 @@ class TimelineWriter:
             self._failed = True
 
 
-@functools.cache
 def writer_for(directory: str, source: str) -> TimelineWriter:
-    """This process's writer for ``source`` into ``directory`` (one file per process, however often asked)."""
+    """This process's writer for ``source`` into ``directory`` (one file per process, however often asked).
+
+    Keyed by the process id too: a process forked after its parent made a writer (vLLM may
+    fork its engine from its HTTP server) gets a file, and a clock, of its own.
+    """
+    return _writer(directory, source, os.getpid())
+
+
+@functools.cache
+def _writer(directory: str, source: str, pid: int) -> TimelineWriter:
     return TimelineWriter(directory, source)
 
 

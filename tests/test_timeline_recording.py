@@ -120,3 +120,20 @@ def test_a_prefill_engine_records_done_and_ignores_requests_the_router_did_not_n
     engine.pulled([], failed=["cmpl-d-0-01"])  # a failed pull is recorded even when nothing was posted
     names = [(name, rid) for name, rid, _ in _events(tmp_path)]
     assert names == [("engine_in", "p"), ("queued", "p"), ("scheduled", "p"), ("done", "p"), ("pull_failed", None)]
+
+
+def test_a_forked_process_gets_a_writer_and_a_file_of_its_own(tmp_path):
+    import os
+
+    from connector.timeline import writer_for
+
+    parent = writer_for(str(tmp_path), "decode")
+    assert writer_for(str(tmp_path), "decode") is parent
+    child = os.fork()
+    if child == 0:  # the child: write one event through the cached factory, and leave without cleanup
+        writer_for(str(tmp_path), "decode").event("queued", rid="r")
+        os._exit(0)
+    os.waitpid(child, 0)
+    files = sorted(p.name for p in tmp_path.glob("timeline-decode-*.jsonl"))
+    assert files == sorted([f"timeline-decode-{os.getpid()}.jsonl", f"timeline-decode-{child}.jsonl"])
+    assert [e.process[1] for e in load_events(tmp_path)] == [child]
