@@ -10,7 +10,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["CONV_STATE_LAYOUT", "IncompatibleWorkers", "WorkerIdentity", "check_pair", "check_worker"]
+from connector.plan import PlanError, model_shape
+
+__all__ = ["CONV_STATE_LAYOUT", "IncompatibleWorkers", "WorkerIdentity", "check_model", "check_pair", "check_worker"]
 
 # The conv-state layout both roles must use. The DS layout, (dim, state_len), is the
 # one vLLM's NIXL connector can transfer for Mamba layers (and split across TP ranks).
@@ -69,6 +71,27 @@ def check_worker(identity: WorkerIdentity) -> None:
             f"pipeline_parallel_size: {identity.role} worker uses {identity.pipeline_parallel_size}; "
             "vLLM's NIXL connector does not transfer Mamba state across pipeline stages: use tensor parallelism",
         )
+
+
+# Sequence-layer state whose hand-off was seen to differ from colocated although vLLM moved the
+# planned bytes: Mamba1 (Jamba) on one H100 with vLLM 0.26.0, the first generated token differed
+# from colocated on 8 of 9 prompt lengths, where every Mamba2 and GDN family agreed up to bf16
+# near-ties (docs/models.md, docs/gpu-runs/2026-11-23-h100-model-matrix.json). A P/D worker
+# refuses such a model rather than serve answers nobody has seen to be right.
+_UNVERIFIED_STATE = {"mamba1": "Mamba1 (Jamba) state through P/D differed from colocated on a GPU (docs/models.md)"}
+
+
+def check_model(model: str) -> None:
+    """Raise :class:`IncompatibleWorkers` for a model whose state P/D is known not to hand over correctly.
+
+    A config that cannot be read is left to vLLM, which names the path itself.
+    """
+    try:
+        kind = model_shape(model).state_kind
+    except PlanError:
+        return
+    if kind in _UNVERIFIED_STATE:
+        raise IncompatibleWorkers("state_kind", f"{_UNVERIFIED_STATE[kind]}; serve this model colocated (hybrid-pd colocated)")
 
 
 def _same(field: str, prefill: WorkerIdentity, decode: WorkerIdentity, fix: str) -> None:

@@ -54,3 +54,21 @@ def test_a_dead_side_channel_listener_fails_the_worker_at_once(model_dir, monkey
     assert code != 0
     assert time.monotonic() - started < 60, "the worker waited for a server that could never get ready"
     assert "will not become ready" in caplog.text and "Address already in use" in caplog.text
+
+
+def test_a_pd_worker_refuses_a_mamba1_model_before_vllm_starts(tmp_path):
+    """Jamba's state through P/D differed from colocated on an H100 (docs/models.md): refused before vLLM starts."""
+    from services.models.families import FAMILIES
+
+    (tmp_path / "config.json").write_text(FAMILIES["jamba"].config().to_json_string())
+    argv = [sys.executable, "-m", "services.cli", "decode", "--model", str(tmp_path), "--port", str(free_port()),
+            "--side-channel-port", str(free_port())]  # fmt: skip
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Mamba1 (Jamba)" in result.stderr and "serve this model colocated" in result.stderr
+    assert "vLLM command" not in result.stderr, "vLLM was started anyway"
+    from connector.compat import check_model
+
+    check_model(str(tmp_path.parent / "no-such-model"))  # unreadable: left to vLLM
+    (tmp_path / "config.json").write_text(FAMILIES["nemotron_h"].config().to_json_string())
+    check_model(str(tmp_path))

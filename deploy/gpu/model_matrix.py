@@ -130,6 +130,9 @@ def run_family(name: str, procs: dict, urls: dict[str, str], model_dir: Path, ou
         result["log_errors"] = {role: error_lines(out / f"{name}-{role}.log") for role in ("prefill", "decode", "router")}
     result["verdict"] = verdict(result)
     print(json.dumps({k: result.get(k) for k in ("family", "verdict", "ready_s", "attention_block_size", "error")}), flush=True)
+    print(f"  {name} decode row: {result.get('decode_row')}", flush=True)
+    for row in result.get("prompts", []):
+        print(f"  {name} {json.dumps(row)}", flush=True)
     with lock:
         results[name] = result
         (out / "summary.json").write_text(json.dumps({**results["_run"], "families": {k: v for k, v in results.items() if k != "_run"}}, indent=1))

@@ -20,6 +20,7 @@ import time
 import urllib.error
 
 from connector.capabilities import checked
+from connector.compat import IncompatibleWorkers, check_model
 from connector.identity import worker_identity
 from connector.launch import Role, WorkerSpec, build_launch
 from services.common.logs import kv
@@ -112,6 +113,12 @@ def run_worker(role: Role, settings: WorkerSettings) -> int:
     if (taken := _side_channel_in_use(spec)) is not None:
         log.error("cannot start vLLM: %s; give each worker on a host its own --side-channel-port", taken)
         return 2
+    if role != "colocated":
+        try:
+            check_model(spec.model)
+        except IncompatibleWorkers as exc:
+            log.error("cannot start vLLM: %s", exc)
+            return 2
     if (spec := with_capabilities(spec, settings.decode_row_fix)) is None:
         return 2
     launch = build_launch(spec)
