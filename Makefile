@@ -5,7 +5,7 @@ PORT ?= 8000
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hybrid-pd-installed
 
-.PHONY: install demo test test-unit clean
+.PHONY: install demo test test-unit test-compose clean
 
 install: $(STAMP)
 
@@ -28,6 +28,11 @@ test: install
 
 test-unit: install
 	$(PY) -m pytest -v -m "not e2e"
+
+# `docker compose --profile cpu up` for real (root, Debian 12): Podman, Compose v2 and the images
+# built from deploy/*.Dockerfile, from a clean engine every time (tests/compose/).
+test-compose: install
+	$(PY) -m pytest -v --log-cli-level=INFO tests/compose
 
 clean:
 	rm -rf $(VENV) .hybrid-pd .pytest_cache

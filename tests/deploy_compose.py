@@ -224,12 +224,16 @@ class Dockerfile:
 
     @classmethod
     def read(cls, path: Path) -> Dockerfile:
-        image = cls(path)
+        """The final stage; ``FROM ${ARG}`` reads the default of an ``ARG`` declared before it."""
+        image, args = cls(path), {}
         for line in _logical_lines(path.read_text()):
             instruction, _, rest = line.partition(" ")
             instruction = instruction.upper()
-            if instruction == "FROM":
-                image = cls(path, base=rest.split()[0])
+            if instruction == "ARG" and not image.base:
+                name, _, default = rest.strip().partition("=")
+                args[name] = default
+            elif instruction == "FROM":
+                image = cls(path, base=interpolate(rest.split()[0], args))
             elif instruction == "ENV":
                 for key, value in (kv.split("=", 1) for kv in shlex.split(rest)):
                     image.env[key] = value.replace("$PATH", image.env.get("PATH", ""))

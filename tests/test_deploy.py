@@ -161,6 +161,28 @@ def test_merged_project_validates_against_the_compose_specification(project: str
     VALIDATOR.validate({"services": p.services})
 
 
+SANDBOX_OVERRIDE = dc.ROOT / "deploy" / "ci" / "compose.sandbox-override.yml"
+SANDBOX_ENV = {"SANDBOX_BASE_IMAGE": "localhost/base", "SANDBOX_WHEELHOUSE_URL": "http://127.0.0.1:1/", "SANDBOX_NOFILE": "20000", "SANDBOX_MEMLOCK": "8388608", "SANDBOX_NPROC": "32768"}
+
+
+def test_ci_sandbox_override_changes_only_what_the_sandbox_lacks():
+    """tests/compose runs the product's file with this override: images' inputs and rlimits, nothing of the wiring."""
+    override = dc.load_yaml(SANDBOX_OVERRIDE)
+    VALIDATOR.validate(override)
+    product = load_project("single-node").services
+    merged = dc.interpolate_tree(dc.merge(dc.load_yaml(dc.COMPOSE_FILE), override), example_env() | SANDBOX_ENV)
+    VALIDATOR.validate(merged)
+    for name, service in override["services"].items():
+        assert product[name]["profiles"] == ["cpu"], f"{name} is not in the profile CI runs"
+        assert set(service) == {"build", "ulimits"} and set(service["build"]) == {"network", "args"}, name
+        assert set(service["build"]["args"]) == {"BASE_IMAGE", "PIP_NO_INDEX", "PIP_FIND_LINKS"}
+    for dockerfile in ("worker-cpu", "router"):
+        declared = {r.split()[1].split("=")[0] for r in (dc.ROOT / "deploy" / f"{dockerfile}.Dockerfile").read_text().splitlines() if r.startswith("ARG ")}
+        assert {"BASE_IMAGE", "PIP_NO_INDEX", "PIP_FIND_LINKS"} <= declared, dockerfile
+    with pytest.raises(dc.InterpolationError):
+        dc.interpolate_tree(override, {})
+
+
 def test_schema_is_vendored_with_its_licence_and_source():
     vendored = dc.ROOT / "deploy" / "compose-spec"
     assert "Apache License" in (vendored / "LICENSE").read_text()
@@ -482,13 +504,17 @@ def _health_url(test: list[str]) -> str:
 
 @pytest.mark.parametrize(("project", "name"), hybrid_pd_services())
 def test_healthcheck_probes_the_service_with_a_program_its_image_has(project: str, name: str):
+    """A shell command (CMD-SHELL): Podman's Docker API splits an exec-form test at its spaces (tests/compose ran it)."""
     p = load_project(project)
     service, image = p.services[name], p.dockerfile(name)
     programs = image.programs()
     assert service["command"][0] in programs
-    test = service["healthcheck"]["test"]
-    assert test[0] == "CMD" and test[1] in programs, f"{test[1]} is not in {image.path.name}"
-    url = urlsplit(_health_url(test))
+    check = service["healthcheck"]
+    kind, command = check["test"]
+    program = command.split()[0]
+    assert kind == "CMD-SHELL" and {"sh", program} <= programs, f"{program} is not in {image.path.name}"
+    assert "start_interval" not in check, "Compose refuses start_interval against engines older than Docker 25 (and Podman)"
+    url = urlsplit(_health_url(check["test"]))
     assert (url.hostname, url.port, url.path) == ("127.0.0.1", int(p.flags(name)["--port"]), "/health")
 
 
@@ -508,10 +534,21 @@ def test_services_restart_and_reap_their_children(project: str):
         if name not in p.workers() and p.role(name) != "router":
             continue
         assert service["restart"] == "unless-stopped", name
-        assert service["init"] is True, f"{name}: vLLM's orphans need a reaper"
+        pid = service.get("pid", "")
+        if pid.startswith("service:"):
+            # PID 1 of the namespace it joins is the other service's init, which reaps for both;
+            # Podman refuses `init: true` there.
+            assert service["init"] is False and p.services[pid.removeprefix("service:")]["init"] is True, name
+        else:
+            assert service["init"] is True, f"{name}: vLLM's orphans need a reaper"
 
 
 # ---------------------------------------------------------------- the cpu profile is `make demo`
+
+
+# What the cpu profile's workers add to `make demo`'s command lines, being containers of their own.
+CONTAINER_NETWORK_FLAGS = {"--side-channel-host"}
+CONTAINER_NETWORK_ENV = ("VLLM_NIXL_SIDE_CHANNEL_HOST", "UCX_NET_DEVICES")
 
 
 def test_make_demo_runs_hybrid_pd_up():
@@ -529,7 +566,7 @@ def test_cpu_profile_runs_the_command_lines_of_make_demo(dry_run, monkeypatch: p
         compose_argv = p.services[service]["command"][1:]
         assert compose_argv[0] == demo[role][0] == role
         demo_flags = sorted(f for f, _ in dc.parse_flags(demo[role][1:]))
-        compose_flags = sorted(f for f, _ in dc.parse_flags(compose_argv[1:]))
+        compose_flags = sorted(f for f, _ in dc.parse_flags(compose_argv[1:]) if f not in CONTAINER_NETWORK_FLAGS)
         # `up` resolves the default model once and passes it on; a container resolves the same itself.
         assert compose_flags == [f for f in demo_flags if f not in RESOLVED_BY_THE_WORKER]
 
@@ -540,11 +577,13 @@ def test_cpu_profile_runs_the_command_lines_of_make_demo(dry_run, monkeypatch: p
                 k: v for k, v in theirs.items() if k not in ("host", "port", "prefill", "decode")
             }
             continue
-        # The same vLLM command line and environment, but for ports and CPU pinning.
+        # The same vLLM command line and environment, but for ports, CPU pinning and the network:
+        # each container is a host of its own on the compose network, where `make demo` uses loopback.
         assert masked_argv(ours["argv"]) == masked_argv(theirs["argv"])
-        assert {k: v for k, v in ours["env"].items() if k not in MASKED_ENV} == {
-            k: v for k, v in theirs["env"].items() if k not in MASKED_ENV
-        }
+        masked = MASKED_ENV | set(CONTAINER_NETWORK_ENV)
+        assert {k: v for k, v in ours["env"].items() if k not in masked} == {k: v for k, v in theirs["env"].items() if k not in masked}
+        assert (ours["env"]["VLLM_NIXL_SIDE_CHANNEL_HOST"], ours["env"]["UCX_NET_DEVICES"]) == (service, "eth0")
+        assert (theirs["env"]["VLLM_NIXL_SIDE_CHANNEL_HOST"], theirs["env"]["UCX_NET_DEVICES"]) == ("127.0.0.1", "lo")
 
 
 # ---------------------------------------------------------------- images
