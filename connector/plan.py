@@ -193,19 +193,20 @@ class TransferPlan:
         return asdict(self)
 
 
-def attention_block_size(vllm_log: str, shape: ModelShape) -> int:
+def attention_block_size(vllm_log: str, shape: ModelShape, tp: int = 1) -> int:
     """The attention block size a P/D worker's vLLM runs with, from the page its NIXL worker registered.
 
     vLLM picks it at start (the platform's default, raised for hybrids until an attention page
     holds a Mamba page) and exports it nowhere: ``cache_config_info`` on /metrics shows the
     scheduler's common multiple (2048 for small hybrids). Its NIXL worker logs the bytes of one
     block of every layer ("Hybrid SSM registration: ... block_len_per_layer={N}"), and an
-    attention block holds K and V of every KV head (of this TP rank) for each of its tokens.
+    attention block holds K and V of every KV head of the worker's TP rank (``tp``: its TP size)
+    for each of its tokens.
     """
     found = re.search(r"block_len_per_layer=\{(\d+)\}", vllm_log)
     if not found:
         raise PlanError("the worker's log has no NIXL registration (block_len_per_layer): is it a P/D worker of a hybrid model?")
-    page, per_token = int(found.group(1)), 2 * shape.kv_heads * shape.head_dim * shape.dtype_bytes
+    page, per_token = int(found.group(1)), 2 * max(shape.kv_heads // tp, 1) * shape.head_dim * shape.dtype_bytes
     if page % per_token:
         raise PlanError(f"a registered block of {page} bytes is no whole number of {per_token}-byte tokens: the shape is not this model's")
     return page // per_token

@@ -168,6 +168,7 @@ def test_attention_block_size_is_read_from_the_page_vllm_registered_with_nixl(tm
     line = ("(Worker pid=1689) INFO 11-23 18:34:47 [base_worker.py:1761] Hybrid SSM registration: num_blocks=1024, "
             "logical_num_blocks=1024, ratio=1, num_regions=2, num_descs=2048, mamba_ssm_size=(3840, 32768), block_len_per_layer={262144}")  # fmt: skip
     assert attention_block_size(line, shape) == 128
+    assert attention_block_size(line, shape, tp=2) == 256  # a TP=2 rank's page holds half the KV heads: twice the tokens
     with pytest.raises(PlanError, match="no NIXL registration"):
         attention_block_size("INFO a colocated server's log", shape)
     with pytest.raises(PlanError, match="no whole number"):

@@ -1,5 +1,6 @@
 """The parsing and comparison logic of deploy/gpu/pd_check.py (the GPU run itself needs an NVIDIA GPU)."""
 
+import argparse
 import importlib.util
 import sys
 from pathlib import Path
@@ -61,9 +62,22 @@ def test_sweep_plots_each_layout_from_its_summary(tmp_path):
     assert all(p.read_bytes().startswith(b"\x89PNG") for p in written)
 
 
+def test_sweep_starts_only_the_servers_its_layouts_route_to_on_their_gpus(tmp_path):
+    """A two-GPU run of an 8B model has no room (nor use) for the one-GPU layout's decode worker."""
+    perf_sweep = _perf_sweep()
+    args = argparse.Namespace(out=tmp_path, device="cuda", gpu_memory_utilization=0.3, kv_cache_gib=16)
+    servers, routers = perf_sweep._servers(args, ["two-gpu"], tmp_path / "model", None)
+    assert {name: s["gpu"] for name, s in servers.items()} == {"prefill": 0, "decode1": 1, "colocated0": 0, "colocated1": 1}
+    assert set(routers) == {"two-gpu", "two-gpu-baseline"}
+    assert all(s["argv"][s["argv"].index("--gpu-memory-utilization") + 1] == "0.3" for s in servers.values())
+    both, _ = perf_sweep._servers(args, ["one-gpu", "two-gpu"], tmp_path / "model", None)
+    assert set(both) == {"prefill", "decode0", "colocated0", "decode1", "colocated1"}
+
+
 def test_sweep_with_the_timeline_traces_the_pd_workers_and_keeps_each_levels_budget(tmp_path):
     perf_sweep = _perf_sweep()
-    servers, _ = perf_sweep._servers(["one-gpu"], tmp_path / "model", tmp_path, "cuda", tmp_path / "timeline")
+    args = argparse.Namespace(out=tmp_path, device="cuda", gpu_memory_utilization=0.2, kv_cache_gib=8)
+    servers, _ = perf_sweep._servers(args, ["one-gpu"], tmp_path / "model", tmp_path / "timeline")
     traced = {name for name, s in servers.items() if str(tmp_path / "timeline") in s["argv"]}
     assert traced == {"prefill", "decode0"}  # the colocated baseline is not traced
     budget = {"group": "g", "requests": 2, "segments": {}, "ttft": {}, "per_request": [{}, {}]}

@@ -66,3 +66,25 @@ def test_published_scale_keeps_the_published_hidden_size_and_the_tiny_layer_patt
         shapes.append(model_shape(tmp_path / scale))
     tiny, real = shapes
     assert (real.mamba_layers, real.attention_layers) == (tiny.mamba_layers, tiny.attention_layers)
+
+
+def test_full_scale_nemotron_h_is_the_published_8b_but_its_vocabulary(tmp_path):
+    """The real-scale checkpoint: Nemotron-H-8B-Base-8K's 8,100,852,736 parameters less the LM head and
+    embedding rows our 512-token tokenizer cannot use, and its 24 Mamba2 / 4 attention layers."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from connector.plan import model_shape
+
+    cfg = FAMILIES["nemotron_h"].config("full")
+    with torch.device("meta"):
+        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
+    assert params == 8_100_852_736 - 2 * (131_072 - 512) * 4096
+    (tmp_path / "config.json").write_text(cfg.to_json_string())
+    shape = model_shape(tmp_path)
+    assert (shape.mamba_layers, shape.attention_layers, shape.mamba_heads, shape.kv_heads) == (24, 4, 128, 8)
+
+
+def test_full_scale_is_refused_for_a_family_without_its_published_layers():
+    with pytest.raises(ValueError, match="no full-scale config; families with one: nemotron_h"):
+        FAMILIES["zamba2"].config("full")

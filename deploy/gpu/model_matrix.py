@@ -1,8 +1,14 @@
-"""The GPU model matrix: every hybrid family through P/D at its published per-layer shapes, on one GPU.
+"""The GPU model matrix: every hybrid family through P/D at its published per-layer shapes, on one GPU or two.
 
-Run on a machine with one NVIDIA GPU and vLLM + NIXL installed (see deploy/gpu/README.md):
+Run on a machine with NVIDIA GPUs and vLLM + NIXL installed (see deploy/gpu/README.md):
 
     python deploy/gpu/model_matrix.py --out results/ [--families nemotron_h,qwen3_next] [--prompt-tokens 1,127,128,129,900,3000]
+
+Heterogeneous TP: ``--prefill-gpus 0,1 --decode-gpus 1`` (prefill TP=2 -> decode TP=1) or
+``--prefill-gpus 0 --decode-gpus 0,1`` (TP=1 -> TP=2): each worker's TP size is the number of
+GPUs it is given (``CUDA_VISIBLE_DEVICES``); the transfers a request makes and the bytes they move
+are then ``hybrid-pd plan``'s for those TP sizes (one read per prefill rank a decode rank holds
+state from, per decode rank), and the baseline is the decode worker alone, at its own TP size.
 
 For each family of ``services/models/families.py`` it builds a random-weight bf16 checkpoint
 with the published per-layer shapes (hidden size, Mamba/GDN heads and dims, state size, groups,
@@ -17,8 +23,8 @@ FULL_AND_PIECEWISE CUDA graphs, ``--cudagraph-metrics``) and a router. Then per 
    tokens and logprobs through the router against the decode worker answering alone (the
    same engine computing the whole prompt, as a colocated server does), compared up to the
    first divergence with the colocated top-2 logprob gap there (bf16 near-ties);
-   exactly one NIXL transfer per request, none failed, no router fallback, and the bytes
-   vLLM counts equal to ``hybrid-pd plan`` for the config.
+   exactly the planned NIXL transfers per request (one with equal TP), none failed, no router
+   fallback, and the bytes vLLM counts equal to ``hybrid-pd plan`` for the config.
 
 A family whose servers do not start is recorded with the error lines of its logs, not
 dropped. Writes ``summary.json`` (updated as each family finishes) and every log to ``--out``.
@@ -39,7 +45,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from connector.plan import PlanError, attention_block_size, model_shape, plan_transfer  # noqa: E402
+from connector.plan import PlanError, TransferPlan, attention_block_size, model_shape, plan_transfer  # noqa: E402
 from deploy.gpu.gsm8k_gate import NEAR_TIE, device_name, versions  # noqa: E402
 from deploy.gpu.pd_check import cli, compare, completion, cudagraph_rows, metrics_of  # noqa: E402
 from services.common.processes import free_port, spawn, stop_group, wait_http_ok  # noqa: E402
@@ -81,8 +87,8 @@ def decode_row(urls: dict[str, str], name: str, vocab: int, log: Path) -> dict:
     return {"rows": after, "one_full_1_token_step": one_full_decode_row(before, after)}
 
 
-def one_prompt(urls: dict[str, str], name: str, vocab: int, tokens: int, shape, block: int, max_tokens: int) -> dict:
-    """One prompt through P/D and through the decode worker alone, with vLLM's counters around the P/D one."""
+def one_prompt(urls: dict[str, str], name: str, vocab: int, tokens: int, shape, block: int, max_tokens: int, tp: tuple[int, int]) -> dict:
+    """One prompt through P/D and through the decode worker alone, with vLLM's counters around the P/D one; ``tp``: (prefill, decode)."""
     prompt = prompt_ids(tokens, vocab)
     names = (XFERS, FAILED, BYTES, XFER_SECONDS)
     before = [metrics_of(urls["decode"], n) for n in names] + [metrics_of(urls["router"], FALLBACKS)]
@@ -91,17 +97,25 @@ def one_prompt(urls: dict[str, str], name: str, vocab: int, tokens: int, shape, 
     after = [metrics_of(urls["decode"], n) for n in names] + [metrics_of(urls["router"], FALLBACKS)]
     xfers, failed, moved, seconds, fallbacks = (a - b for a, b in zip(after, before, strict=True))
     colocated = completion(urls["decode"], name, prompt, max_tokens)
-    planned = plan_transfer(shape, tokens, block_size=block).total_bytes
-    return {"prompt_tokens": tokens, **compare(pd, colocated), "transfers": xfers, "failed_transfers": failed,
-            "fallbacks": fallbacks, "bytes": moved, "planned_bytes": planned, "transfer_ms": round(seconds * 1e3, 3)}  # fmt: skip
+    plan = plan_transfer(shape, tokens, prefill_tp=tp[0], decode_tp=tp[1], block_size=block)
+    return {"prompt_tokens": tokens, **compare(pd, colocated), "transfers": xfers, "planned_transfers": planned_transfers(plan),
+            "failed_transfers": failed, "fallbacks": fallbacks, "bytes": moved, "planned_bytes": plan.total_bytes,
+            "transfer_ms": round(seconds * 1e3, 3)}  # fmt: skip
+
+
+def planned_transfers(plan: TransferPlan) -> int:
+    """NIXL transfers vLLM counts for one request: each decode rank makes one per prefill rank it reads."""
+    return sum(len(sources) for sources in plan.decode_rank_sources.values())
 
 
 def verdict(result: dict) -> str:
-    """PASS: decode row FULL, every prompt one clean transfer of the planned bytes, tokens equal up to bf16 near-ties."""
+    """PASS: decode row FULL, every prompt the planned clean transfers of the planned bytes, tokens equal up to bf16 near-ties."""
     prompts = result.get("prompts", [])
     if not prompts:
         return "FAIL"
-    clean = all((p["transfers"], p["failed_transfers"], p["fallbacks"], p["bytes"]) == (1, 0, 0, p["planned_bytes"]) for p in prompts)
+    clean = all(
+        (p["transfers"], p["failed_transfers"], p["fallbacks"], p["bytes"]) == (p["planned_transfers"], 0, 0, p["planned_bytes"]) for p in prompts
+    )
     ties = all(p["first_divergence"] is None or (p["top2_gap_at_divergence"] or 0) <= NEAR_TIE for p in prompts)
     return "PASS" if clean and ties and result.get("decode_row", {}).get("one_full_1_token_step") else "FAIL"
 
@@ -116,15 +130,16 @@ def run_family(name: str, procs: dict, urls: dict[str, str], model_dir: Path, ou
         result["ready_s"] = round(time.monotonic() - started, 1)
         shape = model_shape(model_dir)
         vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-        result["plan_per_request_1000_tokens"] = plan_transfer(shape, 1000).to_json()
+        tp = (args.prefill_tp, args.decode_tp)
+        result["plan_per_request_1000_tokens"] = plan_transfer(shape, 1000, prefill_tp=tp[0], decode_tp=tp[1]).to_json()
         for _ in range(2):  # first requests compile and handshake
             completion(urls["router"], name, prompt_ids(300, vocab, start=5), 4)
             completion(urls["decode"], name, prompt_ids(300, vocab, start=5), 4)
-        block = attention_block_size((out / f"{name}-decode.log").read_text(errors="replace"), shape)
+        block = attention_block_size((out / f"{name}-decode.log").read_text(errors="replace"), shape, tp=args.decode_tp)
         result["attention_block_size"] = block
         result["decode_row"] = decode_row(urls, name, vocab, out / f"{name}-decode.log")
         lengths = sorted({*args.prompt_tokens, block - 1, block, block + 1} & set(range(1, MAX_MODEL_LEN - args.max_tokens)))
-        result["prompts"] = [one_prompt(urls, name, vocab, n, shape, block, args.max_tokens) for n in lengths]
+        result["prompts"] = [one_prompt(urls, name, vocab, n, shape, block, args.max_tokens, tp) for n in lengths]
     except (RuntimeError, httpx.HTTPError, PlanError, OSError) as exc:
         result["error"] = f"{type(exc).__name__}: {exc}"
         result["log_errors"] = {role: error_lines(out / f"{name}-{role}.log") for role in ("prefill", "decode", "router")}
@@ -144,8 +159,12 @@ def start_family(name: str, model_dir: Path, out: Path, args) -> tuple[dict, dic
               "--max-num-seqs", "16", "--gpu-memory-utilization", str(args.gpu_memory_utilization),
               "--kv-cache-memory-bytes", str(int(args.kv_cache_gib * (1 << 30))), "--vllm-arg=--cudagraph-metrics"]  # fmt: skip
     procs = {
-        role: spawn(cli(role, *common, "--port", str(ports[role]), "--side-channel-port", str(free_port())), log=out / f"{name}-{role}.log")
-        for role in ("prefill", "decode")
+        role: spawn(
+            cli(role, *common, "--port", str(ports[role]), "--side-channel-port", str(free_port()), "--tensor-parallel-size", str(len(gpus))),
+            env={"CUDA_VISIBLE_DEVICES": ",".join(gpus)} if args.device == "cuda" else None,
+            log=out / f"{name}-{role}.log",
+        )
+        for role, gpus in (("prefill", args.prefill_gpus), ("decode", args.decode_gpus))
     }
     urls = {role: f"http://127.0.0.1:{port}" for role, port in ports.items()}
     procs["router"] = spawn(
@@ -165,13 +184,18 @@ def main() -> int:
     ap.add_argument("--kv-cache-gib", type=float, default=1.5)
     ap.add_argument("--ready-timeout-s", type=float, default=480)
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a smoke run of this script (no CUDA graphs: the decode row FAILs)")
+    gpu_list = lambda s: [g for g in s.split(",") if g]  # noqa: E731
+    ap.add_argument("--prefill-gpus", type=gpu_list, default=["0"], help="CUDA devices of each family's prefill worker; its TP size is their count")
+    ap.add_argument("--decode-gpus", type=gpu_list, default=["0"], help="CUDA devices of each family's decode worker; its TP size is their count")
     args = ap.parse_args()
+    args.prefill_tp, args.decode_tp = len(args.prefill_gpus), len(args.decode_gpus)
     args.out.mkdir(parents=True, exist_ok=True)
     names = [n for n in args.families.split(",") if n]
     unknown = [n for n in names if n not in FAMILIES]
     if unknown:
         ap.error(f"unknown families {unknown}; known: {', '.join(FAMILIES)}")
-    results: dict = {"_run": {"device": device_name(), "versions": versions(), "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens}}
+    results: dict = {"_run": {"device": device_name(), "versions": versions(), "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
+                              "prefill_gpus": args.prefill_gpus, "decode_gpus": args.decode_gpus}}  # fmt: skip
     started = time.monotonic()
     models = {n: args.models / n if (args.models / n / "config.json").exists() else build(n, args.models / n, scale="published") for n in names}
     print(f"checkpoints built in {time.monotonic() - started:.0f} s", flush=True)

