@@ -234,13 +234,15 @@ def plan_transfer(
         ratio = prefill_tp // decode_tp
         sources = {r: list(range(r * ratio, (r + 1) * ratio)) for r in range(decode_tp)}
     # What one decode rank reads, as vLLM shards it: x (or V) and heads split by TP; Mamba2 groups
-    # that TP does not divide are replicated (vLLM's extra_groups_for_head_shards), counted at the
-    # ranks that hold them (the prefill's when several prefill ranks feed one decode rank); KV heads
-    # split by TP, one head per rank when there are fewer heads than ranks.
-    holder_tp = max(prefill_tp, decode_tp) if decode_tp < prefill_tp else decode_tp
+    # that the decode TP does not divide are replicated on its ranks (vLLM's
+    # extra_groups_for_head_shards) and each rank reads its copy. A decode rank fed by several
+    # prefill ranks reads a group the prefill replicated once, not once per prefill rank
+    # (measured on two H200s: 1 group, prefill TP=2 -> decode TP=1 moved 2 x state x conv rows
+    # fewer bytes per Mamba layer than counting both copies). KV heads split by TP, one head per
+    # rank when there are fewer heads than ranks.
     groups = max(shape.mamba_groups, 1)
-    if shape.state_kind == "mamba2" and groups % holder_tp:
-        groups += holder_tp - groups
+    if shape.state_kind == "mamba2" and groups % decode_tp:
+        groups += decode_tp - groups
     per_group = shape.groups_state // max(shape.mamba_groups, 1)
     conv_rank = (shape.d_inner + 2 * groups * per_group) // decode_tp * shape.conv_rows * shape.dtype_bytes
     ssm_rank = shape.mamba_heads // decode_tp * shape.mamba_head_dim * shape.state_size * shape.ssm_dtype_bytes

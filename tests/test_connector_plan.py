@@ -152,6 +152,29 @@ def test_one_mamba2_group_is_replicated_on_every_tp_rank(tmp_path):
     assert four.conv_bytes_per_mamba_layer - one.conv_bytes_per_mamba_layer == 3 * 2 * 32 * 3 * 4
 
 
+# vllm:nixl_bytes_transferred for one 1-token prompt between bf16 published-shape workers on two
+# H200s (vLLM 0.26.0; docs/gpu-runs/2026-11-23-h200x2-hetero-tp-matrix.json), with each family's
+# attention block size from that run.
+MEASURED_HETERO_TP = [
+    ("falcon_h1", 800, (2, 1), 2_440_704), ("falcon_h1", 800, (1, 2), 2_445_312),
+    ("granitemoehybrid", 400, (2, 1), 3_238_400), ("granitemoehybrid", 400, (1, 2), 3_243_008),
+    ("zamba2", 80, (2, 1), 9_069_568), ("zamba2", 80, (1, 2), 9_078_784),
+    ("nemotron_h", 1040, (2, 1), 17_027_072), ("qwen3_next", 544, (2, 1), 4_407_296),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "block", "tp", "moved"), MEASURED_HETERO_TP)
+def test_heterogeneous_tp_bytes_equal_what_vllm_moved_on_two_gpus(name, block, tp, moved, tmp_path):
+    """A group the prefill TP replicates is read once by the decode rank it feeds, not once per prefill rank."""
+    from services.models.families import FAMILIES
+
+    config = FAMILIES[name].config("published")
+    config.dtype = "bfloat16"  # as build() saves it
+    (tmp_path / "config.json").write_text(config.to_json_string())
+    plan = plan_transfer(model_shape(tmp_path), 1, prefill_tp=tp[0], decode_tp=tp[1], block_size=block)
+    assert plan.total_bytes == moved
+
+
 def test_qwen35_multimodal_config_is_read_from_its_text_config(tmp_path):
     from services.models.families import FAMILIES
 
