@@ -225,7 +225,9 @@ def plan_transfer(
         raise PlanError(
             f"TP sizes {prefill_tp} (prefill) and {decode_tp} (decode): one must divide the other, e.g. 2 and 4"
         )
-    tokens = max(prompt_tokens - 1, 1)  # the prefill stops at N-1 (one token cannot back off)
+    # The prefill stops at N-1; a one-token prompt has nothing before token N and the decode
+    # worker computes it alone (connector.nixl_connector): it moves nothing.
+    tokens = prompt_tokens - 1
     blocks = math.ceil(tokens / block_size)
     if decode_tp >= prefill_tp:
         ratio = decode_tp // prefill_tp
@@ -249,6 +251,9 @@ def plan_transfer(
     kv_heads_rank = max(shape.kv_heads // decode_tp, 1)
     kv_rank = 2 * blocks * block_size * kv_heads_rank * shape.head_dim * shape.dtype_bytes
     per_rank = shape.mamba_layers * (conv_rank + ssm_rank) + shape.attention_layers * kv_rank
+    if tokens < 1:
+        conv_rank = ssm_rank = kv_rank = per_rank = 0
+        sources = {}
     conv, ssm, kv = conv_rank * decode_tp, ssm_rank * decode_tp, kv_rank * decode_tp
     total = per_rank * decode_tp
     # conv slices (x, B, C; Mamba1: x) + SSM per Mamba layer; one K+V page per block (adjacent blocks may go as one descriptor: fewer reads then)
@@ -262,8 +267,8 @@ def plan_transfer(
         kv_bytes_per_attention_layer=kv,
         total_bytes=total,
         bytes_per_decode_rank=per_rank,
-        prefill_ranks_per_decode_rank=len(sources[0]),
-        max_reads_per_decode_rank=per_source_reads * len(sources[0]),
+        prefill_ranks_per_decode_rank=len(sources.get(0, [])),
+        max_reads_per_decode_rank=per_source_reads * len(sources.get(0, [])),
         decode_rank_sources=sources,
         seconds_at_bandwidth=total / (bandwidth_gbps * 1e9),
         bandwidth_gbps=bandwidth_gbps,

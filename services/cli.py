@@ -224,7 +224,8 @@ def _run_plan(args: argparse.Namespace) -> int:
         ("total per request", f"{plan.total_bytes:,} B"),
         ("per decode rank", f"{plan.bytes_per_decode_rank:,} B from {plan.prefill_ranks_per_decode_rank} prefill rank(s)"),
         ("reads per decode rank (at most)", str(plan.max_reads_per_decode_rank)),
-        ("decode rank <- prefill ranks", ", ".join(f"{d}<-{s}" for d, s in plan.decode_rank_sources.items())),
+        ("decode rank <- prefill ranks", ", ".join(f"{d}<-{s}" for d, s in plan.decode_rank_sources.items())
+         or "none: the decode worker computes a one-token prompt itself"),
         (f"time at {args.bandwidth_gbps:g} GB/s", f"{plan.seconds_at_bandwidth * 1e3:.3f} ms"),
     ]
     width = max(len(k) for k, _ in rows)

@@ -21,8 +21,11 @@ def test_bytes_per_layer_and_whole_blocks():
     assert plan.max_reads_per_decode_rank == 2 * 4 + 2
 
 
-def test_one_token_prompt_still_moves_one_token():
-    assert plan_transfer(SHAPE, prompt_tokens=1).transferred_tokens == 1
+def test_one_token_prompt_moves_nothing():
+    """The decode worker computes a one-token prompt itself (connector.nixl_connector): no read, no byte."""
+    plan = plan_transfer(SHAPE, prompt_tokens=1, prefill_tp=2)
+    assert (plan.transferred_tokens, plan.blocks, plan.total_bytes, plan.max_reads_per_decode_rank, plan.decode_rank_sources) == (0, 0, 0, 0, {})
+    assert plan_transfer(SHAPE, prompt_tokens=2).transferred_tokens == 1
 
 
 @pytest.mark.parametrize(("p", "d", "sources"), [(1, 2, {0: [0], 1: [0]}), (2, 1, {0: [0, 1]}), (2, 4, {0: [0], 1: [0], 2: [1], 3: [1]})])
@@ -152,26 +155,26 @@ def test_one_mamba2_group_is_replicated_on_every_tp_rank(tmp_path):
     assert four.conv_bytes_per_mamba_layer - one.conv_bytes_per_mamba_layer == 3 * 2 * 32 * 3 * 4
 
 
-# vllm:nixl_bytes_transferred for one 1-token prompt between bf16 published-shape workers on two
-# H200s (vLLM 0.26.0; docs/gpu-runs/2026-11-23-h200x2-hetero-tp-matrix.json), with each family's
-# attention block size from that run.
+# vllm:nixl_bytes_transferred for one prompt (tokens: the matrix's 127-token rows, Zamba2's 79)
+# between bf16 published-shape workers on two H200s (vLLM 0.26.0;
+# docs/gpu-runs/2026-11-23-h200x2-hetero-tp-matrix.json), with each family's attention block size there.
 MEASURED_HETERO_TP = [
-    ("falcon_h1", 800, (2, 1), 2_440_704), ("falcon_h1", 800, (1, 2), 2_445_312),
-    ("granitemoehybrid", 400, (2, 1), 3_238_400), ("granitemoehybrid", 400, (1, 2), 3_243_008),
-    ("zamba2", 80, (2, 1), 9_069_568), ("zamba2", 80, (1, 2), 9_078_784),
-    ("nemotron_h", 1040, (2, 1), 17_027_072), ("qwen3_next", 544, (2, 1), 4_407_296),
+    ("falcon_h1", 800, (2, 1), 127, 2_440_704), ("falcon_h1", 800, (1, 2), 127, 2_445_312),
+    ("granitemoehybrid", 400, (2, 1), 127, 3_238_400), ("granitemoehybrid", 400, (1, 2), 127, 3_243_008),
+    ("zamba2", 80, (2, 1), 79, 9_069_568), ("zamba2", 80, (1, 2), 79, 9_078_784),
+    ("nemotron_h", 1040, (2, 1), 127, 17_027_072), ("qwen3_next", 544, (2, 1), 127, 4_407_296),
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("name", "block", "tp", "moved"), MEASURED_HETERO_TP)
-def test_heterogeneous_tp_bytes_equal_what_vllm_moved_on_two_gpus(name, block, tp, moved, tmp_path):
+@pytest.mark.parametrize(("name", "block", "tp", "tokens", "moved"), MEASURED_HETERO_TP)
+def test_heterogeneous_tp_bytes_equal_what_vllm_moved_on_two_gpus(name, block, tp, tokens, moved, tmp_path):
     """A group the prefill TP replicates is read once by the decode rank it feeds, not once per prefill rank."""
     from services.models.families import FAMILIES
 
     config = FAMILIES[name].config("published")
     config.dtype = "bfloat16"  # as build() saves it
     (tmp_path / "config.json").write_text(config.to_json_string())
-    plan = plan_transfer(model_shape(tmp_path), 1, prefill_tp=tp[0], decode_tp=tp[1], block_size=block)
+    plan = plan_transfer(model_shape(tmp_path), tokens, prefill_tp=tp[0], decode_tp=tp[1], block_size=block)
     assert plan.total_bytes == moved
 
 

@@ -90,7 +90,8 @@ def test_pd_equals_colocated_with_one_transfer_of_the_planned_bytes(family_stack
         print(f"[model matrix] {name} block {block}: {row}")
     for row in rows:
         assert _equal(row, FAMILIES[name].cpu_dtype), f"{name}: {row}"
-        assert (row["transfers"], row["failed"]) == (1, 0), f"{name}: {row}"
+        # A one-token prompt has nothing to hand off: the decode worker computes it (connector.nixl_connector).
+        assert (row["transfers"], row["failed"]) == (0 if row["prompt_tokens"] == 1 else 1, 0), f"{name}: {row}"
         assert row["bytes"] == row["planned_bytes"], f"{name}: {row}"
     router.close()
     decode.close()

@@ -26,7 +26,6 @@ def _ids(n: int, start: int = 7) -> list[int]:
 
 
 COMPLETION_PROMPTS = {
-    "one_token": [17],
     "two_tokens": [17, 42],
     "short_text": "Hello world, my name is",
     "exactly_one_block": _ids(BLOCK),
@@ -113,9 +112,26 @@ def test_completions_equal_colocated_with_one_transfer(case, stream, router, col
     routed = _generated("/v1/completions", body, router, model)
     after = _transfers_after(decode_workers, before)
     _assert_same(routed, _generated("/v1/completions", body, colocated, model))
-    # A one-token prompt cannot back off to N-1 = 0 tokens: the prefill computes the
-    # token, the decode still pulls that state (one transfer) and the answer still matches.
     assert after == (before[0] + 1, before[1]), f"decode transfers {before} -> {after}"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_a_one_token_prompt_is_computed_on_the_decode_worker_and_frees_the_prefills_state(
+    stream, router, colocated, decode_workers, prefill_worker, stack
+):
+    """A one-token prompt cannot back off to N-1 = 0 tokens: the prefill's state already holds the
+    token, and recomputing it on top of that state parted P/D from colocated on GPUs (vLLM 0.26).
+    Before: one transfer of that state. Now none: the decode worker computes the prompt itself
+    and the prefill's blocks are freed at once, not when their lease runs out."""
+    model = stack.config.served_model_name
+    body = _completion_body([17], stream)
+    idle_kv = metric(prefill_worker, "vllm:kv_cache_usage_perc")
+    before = _transfers(decode_workers)
+    routed = _generated("/v1/completions", body, router, model)
+    _assert_same(routed, _generated("/v1/completions", body, colocated, model))
+    moved = wait_for(lambda: _transfers(decode_workers) != before, timeout_s=12)  # longer than the counters lag
+    assert not moved, f"decode transfers {before} -> {_transfers(decode_workers)}"
+    assert wait_for(lambda: metric(prefill_worker, "vllm:kv_cache_usage_perc") <= idle_kv, timeout_s=10), "prefill still holds state"
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
