@@ -36,9 +36,10 @@ it is vLLM's pull connector, with the fixes and hooks below switched on per work
    when it queued, scheduled and finished each traced request and when its pulls were
    posted and noticed complete (:mod:`connector.timeline_engine`); vLLM's HTTP server
    records the request's arrival and first byte out (:mod:`connector.timeline_http`).
-8. **One-token prompts computed on the decode worker.** A prompt of one token cannot stop at
-   token N-1 = 0 on the prefill, so the state it would hand off already holds token N; the decode
-   worker computes such a prompt from scratch instead of pulling (see ``get_num_new_matched_tokens``).
+8. **The shortest prompts computed on the decode worker.** A one-token prompt has no h(N-1) to
+   hand off, and for a two-token one the prefill's N-1 = 1 token would run as a one-token prompt,
+   which vLLM answers from stale state under FULL CUDA graphs (vllm-project/vllm#57720); the
+   decode worker computes prompts of up to ``connector.plan.LOCAL_PROMPT_TOKENS`` tokens itself.
 9. **Negative control, tests only.** ``HYBRID_PD_TEST_ONLY_DISABLE_DECODE_ROW_FIX=1``
    removes vLLM's decode-row reclassification in this engine, behind the start-up
    checks' back: what a vLLM without it does. On a GPU with FULL CUDA graphs such a
@@ -62,6 +63,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 from connector.capabilities import CAPABILITIES_ENV, DECODE_ROW, FAILED_PULLS, reports_failed_pulls, vllm_version
 from connector.decode_rows import TEST_ONLY_DISABLE_ENV, apply_fix, remove_vllm_fix
 from connector.kv_lease import lease_expiry, pull_outlived_lease, stamp_lease
+from connector.plan import LOCAL_PROMPT_TOKENS
 from connector.nixl_merge import MERGE_ENV, merge_adjacent_descriptors
 from connector.nixl_progress import DELAY_ENV, throttle_progress_thread
 from connector.nixl_trace import TRACE_ENV, record_transfers
@@ -164,19 +166,17 @@ class NixlConnector(NixlPullConnector):
         delay_free, params = super().request_finished_all_groups(request, block_ids)
         return delay_free, stamp_lease(params, self._lease_s, started_at) if delay_free else params
 
-    # Decode, scheduler side. A one-token prompt has no h(N-1) to hand off: the prefill cannot stop
-    # at N-1 = 0 tokens, so it sends h(1), and recomputing token 1 on top of it is wrong wherever the
-    # decode row reads that state (vLLM 0.26, H100/H200, FULL CUDA graphs: P/D parted from colocated
-    # at the first token on 5 of 7 families, gaps up to 0.69). Such a prompt is computed here from
-    # scratch, as colocated does; vLLM tells the prefill to free its blocks (its path for a local hit).
+    # Decode, scheduler side. The shortest prompts (LOCAL_PROMPT_TOKENS, connector.plan says why) are
+    # computed here from scratch, as colocated does, instead of pulled; vLLM tells the prefill to free
+    # its blocks at once (its path for a local prefix hit).
     # On a vLLM that cannot report a failed pull (fallback): state whose lease runs out before the pull
     # could complete is not pulled; vLLM prefills the prompt locally.
     def get_num_new_matched_tokens(self, request, num_computed_tokens):  # noqa: ANN001, ANN201 - vLLM's signature
         if self._timeline is not None:
             self._timeline.seen(request)
         params = request.kv_transfer_params
-        if params and params.get("do_remote_prefill") and request.num_prompt_tokens <= 1:
-            log.info("%s: a one-token prompt has no prefix to pull; computing it locally", request.request_id)
+        if params and params.get("do_remote_prefill") and request.num_prompt_tokens <= LOCAL_PROMPT_TOKENS:
+            log.info("%s: a prompt of %d token(s) is computed here, not pulled", request.request_id, request.num_prompt_tokens)
             return 0, False
         if _CHECK_LEASE_BEFORE_PULL and params and params.get("do_remote_prefill"):
             expires_at = lease_expiry(params)

@@ -24,7 +24,15 @@ import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = ["ModelShape", "PlanError", "TransferPlan", "attention_block_size", "model_shape", "plan_transfer"]
+__all__ = ["LOCAL_PROMPT_TOKENS", "ModelShape", "PlanError", "TransferPlan", "attention_block_size", "model_shape", "plan_transfer"]
+
+# Prompts of at most this many tokens are computed by the decode worker alone, with no pull
+# (connector.nixl_connector). A one-token prompt has no h(N-1): the prefill cannot stop at 0
+# tokens. For a two-token prompt the prefill would compute N-1 = 1 token as a one-token prompt,
+# which vLLM answers from stale state under FULL CUDA graphs (vllm-project/vllm#57720; a plain
+# vLLM 0.26 server on an H100 gave the same 1-token prompt 3 different greedy answers in 3 runs,
+# 2- and 3-token prompts identical), so P/D parted from colocated at the first token there.
+LOCAL_PROMPT_TOKENS = 2
 
 
 class PlanError(ValueError):
@@ -225,9 +233,8 @@ def plan_transfer(
         raise PlanError(
             f"TP sizes {prefill_tp} (prefill) and {decode_tp} (decode): one must divide the other, e.g. 2 and 4"
         )
-    # The prefill stops at N-1; a one-token prompt has nothing before token N and the decode
-    # worker computes it alone (connector.nixl_connector): it moves nothing.
-    tokens = prompt_tokens - 1
+    # The prefill stops at N-1; the shortest prompts the decode worker computes alone: they move nothing.
+    tokens = prompt_tokens - 1 if prompt_tokens > LOCAL_PROMPT_TOKENS else 0
     blocks = math.ceil(tokens / block_size)
     if decode_tp >= prefill_tp:
         ratio = decode_tp // prefill_tp

@@ -21,11 +21,12 @@ def test_bytes_per_layer_and_whole_blocks():
     assert plan.max_reads_per_decode_rank == 2 * 4 + 2
 
 
-def test_one_token_prompt_moves_nothing():
-    """The decode worker computes a one-token prompt itself (connector.nixl_connector): no read, no byte."""
-    plan = plan_transfer(SHAPE, prompt_tokens=1, prefill_tp=2)
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_the_shortest_prompts_move_nothing(tokens):
+    """The decode worker computes prompts of up to 2 tokens itself (connector.nixl_connector): no read, no byte."""
+    plan = plan_transfer(SHAPE, prompt_tokens=tokens, prefill_tp=2)
     assert (plan.transferred_tokens, plan.blocks, plan.total_bytes, plan.max_reads_per_decode_rank, plan.decode_rank_sources) == (0, 0, 0, 0, {})
-    assert plan_transfer(SHAPE, prompt_tokens=2).transferred_tokens == 1
+    assert plan_transfer(SHAPE, prompt_tokens=3).transferred_tokens == 2
 
 
 @pytest.mark.parametrize(("p", "d", "sources"), [(1, 2, {0: [0], 1: [0]}), (2, 1, {0: [0, 1]}), (2, 4, {0: [0], 1: [0], 2: [1], 3: [1]})])

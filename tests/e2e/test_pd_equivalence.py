@@ -26,7 +26,7 @@ def _ids(n: int, start: int = 7) -> list[int]:
 
 
 COMPLETION_PROMPTS = {
-    "two_tokens": [17, 42],
+    "three_tokens": [17, 42, 99],
     "short_text": "Hello world, my name is",
     "exactly_one_block": _ids(BLOCK),
     "one_block_plus_one": _ids(BLOCK + 1),
@@ -116,15 +116,17 @@ def test_completions_equal_colocated_with_one_transfer(case, stream, router, col
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
-def test_a_one_token_prompt_is_computed_on_the_decode_worker_and_frees_the_prefills_state(
-    stream, router, colocated, decode_workers, prefill_worker, stack
+@pytest.mark.parametrize("prompt", [[17], [17, 42]], ids=["one_token", "two_tokens"])
+def test_the_shortest_prompts_are_computed_on_the_decode_worker_and_free_the_prefills_state(
+    prompt, stream, router, colocated, decode_workers, prefill_worker, stack
 ):
-    """A one-token prompt cannot back off to N-1 = 0 tokens: the prefill's state already holds the
-    token, and recomputing it on top of that state parted P/D from colocated on GPUs (vLLM 0.26).
-    Before: one transfer of that state. Now none: the decode worker computes the prompt itself
-    and the prefill's blocks are freed at once, not when their lease runs out."""
+    """A one-token prompt cannot back off to N-1 = 0 tokens, and a two-token one makes the prefill
+    compute a one-token prompt, which vLLM answers from stale state under FULL CUDA graphs
+    (vllm-project/vllm#57720; P/D parted from colocated at the first token on an H100). Before: one
+    transfer each. Now none: the decode worker computes the prompt itself and the prefill's blocks
+    are freed at once, not when their lease runs out."""
     model = stack.config.served_model_name
-    body = _completion_body([17], stream)
+    body = _completion_body(prompt, stream)
     idle_kv = metric(prefill_worker, "vllm:kv_cache_usage_perc")
     before = _transfers(decode_workers)
     routed = _generated("/v1/completions", body, router, model)
