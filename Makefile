@@ -24,7 +24,7 @@ demo: install
 	$(VENV)/bin/hybrid-pd up --port $(PORT)
 
 test: install
-	$(PY) -m pytest -v
+	$(PY) -m pytest -v --durations=25
 
 test-unit: install
 	$(PY) -m pytest -v -m "not e2e"
