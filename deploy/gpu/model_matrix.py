@@ -90,17 +90,37 @@ def decode_row(urls: dict[str, str], name: str, vocab: int, log: Path) -> dict:
 def one_prompt(urls: dict[str, str], name: str, vocab: int, tokens: int, shape, block: int, max_tokens: int, tp: tuple[int, int]) -> dict:
     """One prompt through P/D and through the decode worker alone, with vLLM's counters around the P/D one; ``tp``: (prefill, decode)."""
     prompt = prompt_ids(tokens, vocab)
+    plan = plan_transfer(shape, tokens, prefill_tp=tp[0], decode_tp=tp[1], block_size=block)
     names = (XFERS, FAILED, BYTES, XFER_SECONDS)
     before = [metrics_of(urls["decode"], n) for n in names] + [metrics_of(urls["router"], FALLBACKS)]
     pd = completion(urls["router"], name, prompt, max_tokens)
-    time.sleep(0.5)  # vLLM updates its transfer counters after the step that saw the transfer end
+    counters_settled(urls["decode"], before[0], transfer_planned=planned_transfers(plan) > 0)
     after = [metrics_of(urls["decode"], n) for n in names] + [metrics_of(urls["router"], FALLBACKS)]
     xfers, failed, moved, seconds, fallbacks = (a - b for a, b in zip(after, before, strict=True))
     colocated = completion(urls["decode"], name, prompt, max_tokens)
-    plan = plan_transfer(shape, tokens, prefill_tp=tp[0], decode_tp=tp[1], block_size=block)
     return {"prompt_tokens": tokens, **compare(pd, colocated), "transfers": xfers, "planned_transfers": planned_transfers(plan),
             "failed_transfers": failed, "fallbacks": fallbacks, "bytes": moved, "planned_bytes": plan.total_bytes,
             "transfer_ms": round(seconds * 1e3, 3)}  # fmt: skip
+
+
+def counters_settled(decode_url: str, transfers_before: float, transfer_planned: bool, timeout_s: float = 10) -> None:
+    """Wait until the decode worker's transfer counters hold a request's transfers.
+
+    vLLM updates them after the step that saw a transfer end, so a read right after the answer
+    can miss it: wait for the count to move (a transfer planned), then for the bytes to stop moving
+    (half a second apart; two seconds in all where none is planned, to catch one that should not be).
+    """
+    deadline = time.monotonic() + timeout_s
+    while transfer_planned and metrics_of(decode_url, XFERS) == transfers_before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    quiet_until = time.monotonic() + (0.5 if transfer_planned else 2.0)
+    last = metrics_of(decode_url, BYTES)
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        now = metrics_of(decode_url, BYTES)
+        if now == last and time.monotonic() >= quiet_until:
+            return
+        last = now
 
 
 def planned_transfers(plan: TransferPlan) -> int:

