@@ -69,7 +69,7 @@ def _why_it_failed(tail: collections.deque[str], limit: int = 8) -> str:
 
 
 def _drain(link: RouterLink | None, vllm_url: str, timeout_s: float) -> None:
-    """Stop new work (router drain), let in-flight requests finish within ``timeout_s``, leave the router."""
+    """Stop new work (every router replica drains it), let in-flight requests finish within ``timeout_s``, leave every replica."""
     if link is None:
         return
     link.drain()
@@ -145,7 +145,12 @@ def run_worker(role: Role, settings: WorkerSettings) -> int:
         if settings.router_url and role != "colocated":
             identity = worker_identity(spec, block_size(vllm_url))
             link = RouterLink(
-                settings.router_url, settings.advertise_url or vllm_url, identity, settings.admin_token, settings.heartbeat_interval_s
+                settings.router_urls,
+                settings.advertise_url or vllm_url,
+                identity,
+                settings.admin_token,
+                settings.heartbeat_interval_s,
+                every_address=settings.router_every_address,
             )
             link.start()
     elif not stopping.is_set():

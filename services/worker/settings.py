@@ -64,7 +64,14 @@ class WorkerSettings(BaseSettings):
         description="decode: where vLLM lacks the decode-row reclassification of token N, auto picks our connector's "
         "copy, else PIECEWISE CUDA graphs; connector or piecewise use that one regardless",
     )
-    router_url: str | None = Field(None, description="register with this router (admin API) and heartbeat")
+    router_url: str | None = Field(
+        None, description="register with this router (admin API) and heartbeat; several replicas: comma-separated URLs"
+    )
+    router_every_address: bool = Field(
+        False,
+        description="resolve each --router-url host on every heartbeat and register with every address it names "
+        "(a Kubernetes headless Service: every router replica)",
+    )
     advertise_url: str | None = Field(None, description="the URL the router reaches this worker's vLLM server at")
     # A secret: set in the environment only, a flag would show it in the process list.
     admin_token: Annotated[str | None, ENV_ONLY] = Field(None, description="Bearer token of the router's admin API")
@@ -80,7 +87,18 @@ class WorkerSettings(BaseSettings):
     _memory = field_validator("gpu_memory_utilization")(checks.fraction)
     _seconds = field_validator("ready_timeout_s", "heartbeat_interval_s")(checks.positive)
     _drain = field_validator("drain_timeout_s")(checks.not_negative)
-    _urls = field_validator("router_url", "advertise_url")(checks.http_url)
+    _url = field_validator("advertise_url")(checks.http_url)
+
+    @field_validator("router_url")
+    @classmethod
+    def _router_urls(cls, text: str | None) -> str | None:
+        """Each comma-separated router URL is an http(s) URL (a replica each)."""
+        return None if text is None else ",".join(checks.http_url(url.strip()) for url in text.split(","))
+
+    @property
+    def router_urls(self) -> tuple[str, ...]:
+        """The router replicas ``--router-url`` names, in order, each once."""
+        return tuple(dict.fromkeys(self.router_url.split(","))) if self.router_url else ()
 
     def spec(self, role: Role) -> WorkerSpec:
         """The connector's view of this worker (builds the default model if none is set).
