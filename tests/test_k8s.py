@@ -26,7 +26,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from services.cli import build_parser
 from services.common import processes
+from services.common.cli_flags import given
 from services.worker.settings import WorkerSettings
 from tests import deploy_compose as dc
 from tests.deploy_support import MASKED_ENV, RESOLVED_BY_THE_WORKER, make_demo_services, masked_argv
@@ -41,7 +43,7 @@ WORKER_ROLES = ("prefill", "decode")
 # What a pod's IP looks like where $(POD_IP) is expanded (the kubelet's downward API).
 POD_IP = "10.244.1.7"
 # Flags a k8s worker has that `make demo`'s do not: it registers itself instead of being listed.
-REGISTRATION = {"--router-url", "--advertise-url"}
+REGISTRATION = {"--router-url", "--router-every-address", "--advertise-url"}
 PYPROJECT = tomllib.loads((dc.ROOT / "pyproject.toml").read_text())
 
 
@@ -242,6 +244,9 @@ def test_workers_register_through_a_service_that_reaches_the_router_before_it_is
         assert pods_selected(variant, service["spec"]["selector"]) == ["router"]
         # The router turns ready once a decode worker registered: registration cannot wait for that.
         assert service["spec"]["publishNotReadyAddresses"] is True
+        # Headless: the name resolves to every router pod, reached at the URL's port itself (no mapping).
+        assert service["spec"]["clusterIP"] == "None" and "--router-every-address" in c.flags()
+        assert url.port == int(routed.flags()["--port"])
     ready = [n for n, s in services.items() if not s["spec"].get("publishNotReadyAddresses")]
     assert ready == ["router"], "clients reach the router only once it can serve"
 
@@ -358,9 +363,12 @@ def test_workers_drain_within_their_grace_period_and_vllm_orphans_are_reaped(var
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_the_router_runs_as_one_replica(variant: str):
-    """Each router replica keeps its own registry: a worker registering through a Service reaches one (deploy/README.md)."""
-    assert objects(variant, "Deployment")["router"]["spec"]["replicas"] == 1
+def test_the_router_runs_several_replicas_and_workers_register_with_each(variant: str):
+    """Each replica keeps its own registry: workers fan out to every address of router-admin (deploy/README.md)."""
+    assert objects(variant, "Deployment")["router"]["spec"]["replicas"] >= 2
+    for c in workers(variant):
+        settings = WorkerSettings(**given(build_parser().parse_args(c.expanded_argv(c.env())[1:]), WorkerSettings))
+        assert settings.router_every_address is True and settings.router_urls == ("http://router-admin:8000",)
 
 
 # ---------------------------------------------------------------- the cpu variant is `make demo`
