@@ -57,6 +57,7 @@ def test_bench_reports_every_request_through_the_router_and_the_baseline(stack, 
     assert report["targets"]["baseline"]["model"] == model
     assert report["config"]["vocab_size"] == vocab_size_of(stack.config.model)  # read from /v1/models' root
     assert report["errors"] == 0 and len(report["levels"]) == len(LEVELS)
+    itl_counts = {"endpoint": 0, "baseline": 0}
     for level, concurrency in zip(report["levels"], LEVELS, strict=True):
         assert level["load"] == {"kind": "concurrency", "value": concurrency}
         for role in ("endpoint", "baseline"):
@@ -65,11 +66,17 @@ def test_bench_reports_every_request_through_the_router_and_the_baseline(stack, 
             assert s["output_tokens"] == NUM_PROMPTS * OUTPUT_LEN and s["length_mismatches"] == 0
             assert s["input_tokens"] == NUM_PROMPTS * INPUT_LEN and s["usage_missing"] == 0
             assert s["ttft_ms"]["count"] == NUM_PROMPTS and s["e2e_ms"]["count"] == NUM_PROMPTS
-            assert s["itl_ms"]["count"] >= NUM_PROMPTS and s["tpot_ms"]["count"] == NUM_PROMPTS
+            # One ITL per gap between token events, so at most OUTPUT_LEN - 1 per request; fewer is
+            # vLLM's own doing: its RequestOutputCollector merges the outputs of a request that its
+            # API server has not streamed yet into one event (CI saw 2 gaps for 4 requests on 2 cores).
+            gaps = s["itl_ms"]["count"] if s["itl_ms"] else 0  # no distribution where no request had a gap
+            assert gaps <= NUM_PROMPTS * (OUTPUT_LEN - 1) and s["tpot_ms"]["count"] == NUM_PROMPTS
+            itl_counts[role] += gaps
             assert s["ttft_ms"]["p50"] <= s["e2e_ms"]["p50"]
             assert s["request_throughput"] > 0 and s["output_throughput"] > 0
             assert s["slo_met"] == NUM_PROMPTS and s["goodput"] > 0
             assert [r["output_tokens"] for r in s["per_request"]] == [OUTPUT_LEN] * NUM_PROMPTS
+    assert all(count > 0 for count in itl_counts.values()), itl_counts  # ITLs are recorded at all
 
     # Every request through the router (warm-up included) was disaggregated: one NIXL transfer each.
     expected = before + WARMUP + NUM_PROMPTS * len(LEVELS)
