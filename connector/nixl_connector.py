@@ -63,10 +63,10 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 from connector.capabilities import CAPABILITIES_ENV, DECODE_ROW, FAILED_PULLS, reports_failed_pulls, vllm_version
 from connector.decode_rows import TEST_ONLY_DISABLE_ENV, apply_fix, remove_vllm_fix
 from connector.kv_lease import lease_expiry, pull_outlived_lease, stamp_lease
-from connector.plan import LOCAL_PROMPT_TOKENS
 from connector.nixl_merge import MERGE_ENV, merge_adjacent_descriptors
 from connector.nixl_progress import DELAY_ENV, throttle_progress_thread
 from connector.nixl_trace import TRACE_ENV, record_transfers
+from connector.plan import LOCAL_PROMPT_TOKENS
 from connector.timeline import from_env as timeline_writer
 from connector.timeline_engine import EngineTimeline
 

@@ -194,6 +194,7 @@ class TransferPlan:
     prefill_ranks_per_decode_rank: int
     max_reads_per_decode_rank: int
     decode_rank_sources: dict[int, list[int]]
+    transfers: int  # what vLLM's decode worker counts: one per prefill rank each decode rank reads
     seconds_at_bandwidth: float
     bandwidth_gbps: float
 
@@ -277,6 +278,7 @@ def plan_transfer(
         prefill_ranks_per_decode_rank=len(sources.get(0, [])),
         max_reads_per_decode_rank=per_source_reads * len(sources.get(0, [])),
         decode_rank_sources=sources,
+        transfers=sum(len(ranks) for ranks in sources.values()),
         seconds_at_bandwidth=total / (bandwidth_gbps * 1e9),
         bandwidth_gbps=bandwidth_gbps,
     )

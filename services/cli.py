@@ -202,7 +202,7 @@ def _ready_message(stack: Any, model_name: str) -> str:
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    from connector.plan import PlanError, model_shape, plan_transfer
+    from connector.plan import LOCAL_PROMPT_TOKENS, PlanError, model_shape, plan_transfer
     from services.default_model import resolve_model
 
     try:
@@ -224,8 +224,9 @@ def _run_plan(args: argparse.Namespace) -> int:
         ("total per request", f"{plan.total_bytes:,} B"),
         ("per decode rank", f"{plan.bytes_per_decode_rank:,} B from {plan.prefill_ranks_per_decode_rank} prefill rank(s)"),
         ("reads per decode rank (at most)", str(plan.max_reads_per_decode_rank)),
+        ("NIXL transfers", str(plan.transfers)),
         ("decode rank <- prefill ranks", ", ".join(f"{d}<-{s}" for d, s in plan.decode_rank_sources.items())
-         or "none: the decode worker computes a one-token prompt itself"),
+         or f"none: the decode worker computes prompts of up to {LOCAL_PROMPT_TOKENS} tokens itself"),
         (f"time at {args.bandwidth_gbps:g} GB/s", f"{plan.seconds_at_bandwidth * 1e3:.3f} ms"),
     ]
     width = max(len(k) for k, _ in rows)

@@ -4,7 +4,7 @@ import pytest
 
 from deploy.gpu.gsm8k_gate import NEAR_TIE
 from connector.plan import ModelShape, plan_transfer
-from deploy.gpu.model_matrix import one_full_decode_row, planned_transfers, prompt_ids, verdict
+from deploy.gpu.model_matrix import one_full_decode_row, prompt_ids, verdict
 
 CLEAN = {"transfers": 1, "planned_transfers": 1, "failed_transfers": 0, "fallbacks": 0, "bytes": 4096, "planned_bytes": 4096,
          "first_divergence": None, "top2_gap_at_divergence": None}  # fmt: skip
@@ -29,7 +29,7 @@ def test_heterogeneous_tp_expects_one_transfer_per_prefill_rank_a_decode_rank_re
     """The earlier two-H200 run counted 2 per request in both directions (docs/gpu-runs/2026-11-23-h200x2-hetero-tp.json)."""
     shape = ModelShape(mamba_layers=2, attention_layers=1, d_inner=256, groups_state=64, conv_rows=3, mamba_heads=8,
                        mamba_head_dim=32, state_size=32, kv_heads=2, head_dim=32, dtype_bytes=2, ssm_dtype_bytes=4)  # fmt: skip
-    counts = {tp: planned_transfers(plan_transfer(shape, 300, prefill_tp=tp[0], decode_tp=tp[1])) for tp in ((1, 1), (2, 1), (1, 2), (2, 2), (4, 2))}
+    counts = {tp: plan_transfer(shape, 300, prefill_tp=tp[0], decode_tp=tp[1]).transfers for tp in ((1, 1), (2, 1), (1, 2), (2, 2), (4, 2))}
     assert counts == {(1, 1): 1, (2, 1): 2, (1, 2): 2, (2, 2): 2, (4, 2): 4}
     two = {**CLEAN, "transfers": 2, "planned_transfers": 2}
     assert verdict({"prompts": [two], "decode_row": FULL_ROW}) == "PASS"

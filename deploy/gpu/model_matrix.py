@@ -45,7 +45,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from connector.plan import PlanError, TransferPlan, attention_block_size, model_shape, plan_transfer  # noqa: E402
+from connector.plan import PlanError, attention_block_size, model_shape, plan_transfer  # noqa: E402
 from deploy.gpu.gsm8k_gate import NEAR_TIE, device_name, versions  # noqa: E402
 from deploy.gpu.pd_check import cli, compare, completion, cudagraph_rows, metrics_of  # noqa: E402
 from services.common.processes import free_port, spawn, stop_group, wait_http_ok  # noqa: E402
@@ -94,11 +94,11 @@ def one_prompt(urls: dict[str, str], name: str, vocab: int, tokens: int, shape, 
     names = (XFERS, FAILED, BYTES, XFER_SECONDS)
     before = [metrics_of(urls["decode"], n) for n in names] + [metrics_of(urls["router"], FALLBACKS)]
     pd = completion(urls["router"], name, prompt, max_tokens)
-    counters_settled(urls["decode"], before[0], transfer_planned=planned_transfers(plan) > 0)
+    counters_settled(urls["decode"], before[0], transfer_planned=plan.transfers > 0)
     after = [metrics_of(urls["decode"], n) for n in names] + [metrics_of(urls["router"], FALLBACKS)]
     xfers, failed, moved, seconds, fallbacks = (a - b for a, b in zip(after, before, strict=True))
     colocated = completion(urls["decode"], name, prompt, max_tokens)
-    return {"prompt_tokens": tokens, **compare(pd, colocated), "transfers": xfers, "planned_transfers": planned_transfers(plan),
+    return {"prompt_tokens": tokens, **compare(pd, colocated), "transfers": xfers, "planned_transfers": plan.transfers,
             "failed_transfers": failed, "fallbacks": fallbacks, "bytes": moved, "planned_bytes": plan.total_bytes,
             "transfer_ms": round(seconds * 1e3, 3)}  # fmt: skip
 
@@ -121,11 +121,6 @@ def counters_settled(decode_url: str, transfers_before: float, transfer_planned:
         if now == last and time.monotonic() >= quiet_until:
             return
         last = now
-
-
-def planned_transfers(plan: TransferPlan) -> int:
-    """NIXL transfers vLLM counts for one request: each decode rank makes one per prefill rank it reads."""
-    return sum(len(sources) for sources in plan.decode_rank_sources.values())
 
 
 def verdict(result: dict) -> str:

@@ -66,7 +66,8 @@ DECODE_METRICS = {
 ZERO_COPY = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
 
 
-# layout -> router name -> (prefill servers, decode servers); a server's GPU is its name's last digit (the prefill's: 0)
+# server -> (role, GPU); layout -> router name -> (prefill servers, decode servers)
+SERVERS = {"prefill": ("prefill", 0), "decode0": ("decode", 0), "colocated0": ("colocated", 0), "decode1": ("decode", 1), "colocated1": ("colocated", 1)}
 LAYOUTS = {
     "one-gpu": {"one-gpu": (["prefill"], ["decode0"]), "one-gpu-baseline": ([], ["colocated0"])},
     "two-gpu": {"two-gpu": (["prefill"], ["decode1"]), "two-gpu-baseline": ([], ["colocated0", "colocated1"])},
@@ -83,7 +84,7 @@ def _servers(args: argparse.Namespace, layouts: list[str], model_dir: Path, time
     wanted = dict.fromkeys(name for prefills, decodes in routers.values() for name in (*prefills, *decodes))
     servers = {}
     for name in wanted:
-        role, gpu = name.rstrip("01"), int(name[-1]) if name[-1].isdigit() else 0
+        role, gpu = SERVERS[name]
         port = free_port()
         argv = cli(role, *common, "--port", str(port))
         if role != "colocated":
