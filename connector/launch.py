@@ -67,6 +67,7 @@ class WorkerSpec:
     nixl_trace_dir: str | None = None
     timeline_dir: str | None = None
     merge_descriptors: bool = True
+    speculative_config: str | None = None  # vLLM's --speculative-config JSON (the settings' canonical form)
     vllm_args: tuple[str, ...] = ()
     # What the start-up check decided (connector.capabilities): (piece, "vllm" | "fallback:<how>") pairs.
     capabilities: tuple[tuple[str, str], ...] = ()
@@ -340,6 +341,8 @@ def build_launch(spec: WorkerSpec) -> Launch:
     config = kv_transfer_config(spec)
     if config is not None:
         argv += ["--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
+    if spec.speculative_config is not None:
+        argv += ["--speculative-config", spec.speculative_config]
     argv += gdn_prefill_args(spec) + timeline_args(spec) + list(spec.vllm_args) + capability_args(spec)
     env = {
         **state_layout_env(spec),

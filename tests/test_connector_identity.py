@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from connector.compat import check_worker
+from connector.compat import NO_SPECULATION, check_worker
 from connector.identity import worker_identity
 from connector.launch import WorkerSpec, build_launch
 
@@ -30,3 +30,12 @@ def test_identity_names_the_served_model_and_the_parallelism():
     assert (identity.role, identity.model, identity.block_size) == ("prefill", "tiny", None)
     assert (identity.tensor_parallel_size, identity.pipeline_parallel_size) == (2, 1)
     assert worker_identity(_spec(), block_size=16).model == "/models/m"
+
+
+def test_the_speculative_config_reported_is_the_one_vllm_is_started_with():
+    mtp = '{"method":"mtp","num_speculative_tokens":2}'
+    launch = build_launch(_spec(speculative_config=mtp))
+    assert worker_identity(_spec(speculative_config=mtp), block_size=None).speculative_config == mtp
+    assert launch.argv[launch.argv.index("--speculative-config") + 1] == mtp
+    assert worker_identity(_spec(), block_size=None).speculative_config == NO_SPECULATION
+    assert "--speculative-config" not in build_launch(_spec()).argv

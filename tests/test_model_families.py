@@ -88,3 +88,22 @@ def test_full_scale_nemotron_h_is_the_published_8b_but_its_vocabulary(tmp_path):
 def test_full_scale_is_refused_for_a_family_without_its_published_layers():
     with pytest.raises(ValueError, match="no full-scale config; families with one: nemotron_h"):
         FAMILIES["zamba2"].config("full")
+
+
+def test_an_mtp_head_is_written_under_the_names_vllms_qwen3_next_mtp_loads(tmp_path):
+    from safetensors.torch import load_file
+
+    out = build("qwen3_next", tmp_path / "q", mtp=True)
+    config = json.loads((out / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 1
+    weights = load_file(out / "model.safetensors")
+    layer = config["layer_types"].index("full_attention")
+    main = {k.removeprefix(f"model.layers.{layer}."): v for k, v in weights.items() if k.startswith(f"model.layers.{layer}.")}
+    head = {k.removeprefix("mtp.layers.0."): v for k, v in weights.items() if k.startswith("mtp.layers.0.")}
+    assert {k: v.shape for k, v in head.items()} == {k: v.shape for k, v in main.items()}  # a full-attention layer, MoE included
+    hidden = config["hidden_size"]
+    assert weights["mtp.fc.weight"].shape == (hidden, 2 * hidden)
+    assert {k for k in weights if k.startswith("mtp.") and "layers" not in k} == {
+        "mtp.fc.weight", "mtp.norm.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.pre_fc_norm_embedding.weight"}
+    with pytest.raises(ValueError, match="no MTP head"):
+        build("falcon_h1", tmp_path / "f", mtp=True)

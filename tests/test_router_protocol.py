@@ -219,6 +219,22 @@ async def test_admin_api_is_off_without_a_token_and_guarded_with_one(workers):
         assert {w["role"] for w in listed.json()["workers"]} == {"prefill", "decode"}
 
 
+async def test_registration_refuses_a_prefill_worker_that_speculates_otherwise_than_the_decode_worker(workers):
+    auth = {"Authorization": "Bearer secret"}
+    mtp = '{"method":"mtp","num_speculative_tokens":%d}'
+    app, c = await _router(workers, admin_token="secret", prefill=[])
+    async with app.router.lifespan_context(app), c:
+        registry = app.state.router.registry
+        registry.role("decode")[0].identity = registry.role("decode")[0].identity.__class__(role="decode", model="m", speculative_config=mtp % 3)
+        for other in ("none", mtp % 1):
+            bad = {"url": "http://p.test:9", "role": "prefill", "identity": {"model": "m", "speculative_config": other}}
+            r = await c.post("/admin/workers", json=bad, headers=auth)
+            assert r.status_code == 409 and r.json()["error"]["param"] == "speculative_config", r.text
+            assert "--speculative-config" in r.json()["error"]["message"]
+        same = {"url": "http://p.test:9", "role": "prefill", "identity": {"model": "m", "speculative_config": mtp % 3}}
+        assert (await c.post("/admin/workers", json=same, headers=auth)).status_code == 201
+
+
 async def test_registration_refuses_an_incompatible_worker_naming_the_field(workers):
     auth = {"Authorization": "Bearer secret"}
     app, c = await _router(workers, admin_token="secret", prefill=[])

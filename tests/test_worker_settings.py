@@ -20,7 +20,7 @@ FLAGS = [
     "--gpu-memory-utilization", "--cpu-threads-bind", "--ready-timeout-s", "--kv-lease-s", "--ucx-net-devices",
     "--merge-descriptors", "--no-merge-descriptors", "--nixl-trace-dir", "--timeline-dir", "--decode-row-fix", "--router-url",
     "--router-every-address", "--no-router-every-address", "--advertise-url",
-    "--drain-timeout-s", "--vllm-arg", "--dry-run",
+    "--drain-timeout-s", "--speculative-config", "--vllm-arg", "--dry-run",
 ]  # fmt: skip
 
 
@@ -77,6 +77,18 @@ def test_the_spec_takes_every_setting_it_shares_by_name(tmp_path):
     assert shared >= {"port", "dtype", "vllm_args", "merge_descriptors", "kv_lease_s"}
     assert {n: getattr(spec, n) for n in shared} == {n: getattr(settings, n) for n in shared}
     assert (spec.role, spec.seed, spec.rdma_devices) == ("prefill", 0, ())
+
+
+def test_the_speculative_config_is_one_canonical_json_object_and_only_given_by_its_flag():
+    settings = _settings(["--speculative-config", '{ "num_speculative_tokens": 2, "method": "mtp" }'])
+    assert settings.speculative_config == '{"method":"mtp","num_speculative_tokens":2}'  # equal objects, equal strings
+    for bad in ("mtp", "[1, 2]"):
+        with pytest.raises(ValueError, match="object"):
+            WorkerSettings(speculative_config=bad)
+    # Through --vllm-arg the router could not see it, and would pair workers vLLM cannot hand state between.
+    for args in (("--speculative-config", "{}"), ('--speculative-config={"method":"mtp"}',)):
+        with pytest.raises(ValueError, match="use --speculative-config"):
+            WorkerSettings(vllm_args=args)
 
 
 def test_without_a_model_the_spec_serves_the_embedded_one():

@@ -88,7 +88,11 @@ def decode_row(urls: dict[str, str], name: str, vocab: int, log: Path) -> dict:
 
 
 def one_prompt(urls: dict[str, str], name: str, vocab: int, tokens: int, shape, block: int, max_tokens: int, tp: tuple[int, int]) -> dict:
-    """One prompt through P/D and through the decode worker alone, with vLLM's counters around the P/D one; ``tp``: (prefill, decode)."""
+    """One prompt through P/D and through the baseline, with vLLM's counters around the P/D one; ``tp``: (prefill, decode).
+
+    ``urls``: the router, the decode worker and, where the baseline is another server (one that
+    does not speculate, say), ``colocated``; without it the decode worker alone is the baseline.
+    """
     prompt = prompt_ids(tokens, vocab)
     plan = plan_transfer(shape, tokens, prefill_tp=tp[0], decode_tp=tp[1], block_size=block)
     names = (XFERS, FAILED, BYTES, XFER_SECONDS)
@@ -97,7 +101,7 @@ def one_prompt(urls: dict[str, str], name: str, vocab: int, tokens: int, shape, 
     counters_settled(urls["decode"], before[0], transfer_planned=plan.transfers > 0)
     after = [metrics_of(urls["decode"], n) for n in names] + [metrics_of(urls["router"], FALLBACKS)]
     xfers, failed, moved, seconds, fallbacks = (a - b for a, b in zip(after, before, strict=True))
-    colocated = completion(urls["decode"], name, prompt, max_tokens)
+    colocated = completion(urls.get("colocated", urls["decode"]), name, prompt, max_tokens)
     return {"prompt_tokens": tokens, **compare(pd, colocated), "transfers": xfers, "planned_transfers": plan.transfers,
             "failed_transfers": failed, "fallbacks": fallbacks, "bytes": moved, "planned_bytes": plan.total_bytes,
             "transfer_ms": round(seconds * 1e3, 3)}  # fmt: skip

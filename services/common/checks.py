@@ -10,6 +10,7 @@ setting left unset) passes every check.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Callable
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import TypeVar
 from urllib.parse import urlsplit
 
-__all__ = ["fraction", "http_url", "model_ref", "not_negative", "one_of", "output_dir", "output_file", "positive", "tcp_port"]
+__all__ = ["fraction", "http_url", "json_object", "model_ref", "not_negative", "one_of", "output_dir", "output_file", "positive", "tcp_port"]
 
 N = TypeVar("N", int, float)
 
@@ -71,6 +72,19 @@ def http_url(url: str | None) -> str | None:
     if parts.scheme not in ("http", "https") or not parts.hostname or not valid_port:
         raise ValueError(f"{url!r} is not an http(s) URL: write it as http://host:port")
     return url.rstrip("/")
+
+
+def json_object(text: str | None) -> str | None:
+    """A JSON object, returned in one canonical form (sorted keys, compact): equal objects are equal strings."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON ({exc.msg} at character {exc.pos}): give an object such as '{{\"method\": \"mtp\"}}'") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"a JSON {type(value).__name__}, not an object: give an object such as '{{\"method\": \"mtp\"}}'")
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
 def model_ref(model: str | None) -> str | None:

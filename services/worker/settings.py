@@ -78,6 +78,11 @@ class WorkerSettings(BaseSettings):
     # Tuning the environment sets when needed; no flag of its own.
     heartbeat_interval_s: Annotated[float, ENV_ONLY] = Field(5.0, description="seconds between heartbeats to the router")
     drain_timeout_s: float = Field(30.0, description="on SIGTERM, wait this long for in-flight requests")
+    speculative_config: str | None = Field(
+        None,
+        description="speculative decoding, vLLM's --speculative-config JSON (e.g. {\"method\": \"mtp\", "
+        "\"num_speculative_tokens\": 2}); give the prefill and the decode worker the same one",
+    )
     vllm_args: Annotated[tuple[str, ...], Flag("--vllm-arg")] = Field((), description="extra vLLM argument (repeatable)")
 
     # What each value must be, refused before vLLM starts (services/common/checks.py).
@@ -88,6 +93,16 @@ class WorkerSettings(BaseSettings):
     _seconds = field_validator("ready_timeout_s", "heartbeat_interval_s")(checks.positive)
     _drain = field_validator("drain_timeout_s")(checks.not_negative)
     _url = field_validator("advertise_url")(checks.http_url)
+    _speculative = field_validator("speculative_config")(checks.json_object)
+
+    @field_validator("vllm_args")
+    @classmethod
+    def _no_speculation_behind_the_routers_back(cls, args: tuple[str, ...]) -> tuple[str, ...]:
+        """Speculative decoding goes through ``--speculative-config``, which the router pairs workers by."""
+        for arg in args:
+            if arg.split("=", 1)[0] in ("--speculative-config", "--speculative_config", "-sc"):
+                raise ValueError(f"{arg.split('=', 1)[0]} in --vllm-arg: use --speculative-config, which the router checks on both roles")
+        return args
 
     @field_validator("router_url")
     @classmethod

@@ -17,6 +17,7 @@ docs/models.md with their error (tests/test_model_families.py checks Qwen3.5's, 
 
 from __future__ import annotations
 
+import sys
 import time
 
 import pytest
@@ -24,8 +25,8 @@ import pytest
 from connector.plan import LOCAL_PROMPT_TOKENS, attention_block_size, model_shape
 from deploy.gpu.gsm8k_gate import NEAR_TIE
 from deploy.gpu.model_matrix import one_prompt
-from deploy.gpu.pd_check import completion
-from services.common.processes import free_port
+from deploy.gpu.pd_check import completion, metrics_of
+from services.common.processes import free_port, spawn, stop_group, wait_http_ok
 from services.models.families import FAMILIES, build
 from services.stack import Stack, StackConfig
 
@@ -80,3 +81,51 @@ def test_pd_equals_colocated_with_one_transfer_of_the_planned_bytes(family_stack
         assert row["planned_transfers"] == (0 if row["prompt_tokens"] <= LOCAL_PROMPT_TOKENS else 1), f"{name}: {row}"
         assert (row["transfers"], row["failed_transfers"], row["fallbacks"]) == (row["planned_transfers"], 0, 0), f"{name}: {row}"
         assert row["bytes"] == row["planned_bytes"], f"{name}: {row}"
+
+
+# Speculative decoding with the MTP head on the decode worker (issue #11), two draft tokens a step.
+MTP = '{"method":"mtp","num_speculative_tokens":2}'
+DRAFTS, ACCEPTED = "vllm:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_accepted_tokens_total"
+
+
+@pytest.fixture(scope="module")
+def mtp_stack(tmp_path_factory):
+    """Qwen3-Next with a random MTP head: P/D with MTP on both roles, and a colocated server that does not speculate.
+
+    Both roles speculate alike: vLLM's NIXL connector moves the MTP layer's KV with the rest,
+    and the router refuses a pair whose speculation differs (connector.compat).
+    """
+    name, dtype = "qwen3_next", FAMILIES["qwen3_next"].cpu_dtype
+    model = build(name, tmp_path_factory.mktemp(f"{name}-mtp"), mtp=True)
+    logs = tmp_path_factory.mktemp(f"{name}-mtp-logs")
+    port = free_port()
+    colocated = spawn([sys.executable, "-m", "services.cli", "colocated", "--model", str(model), "--served-model-name", name, "--port", str(port),
+                       "--dtype", dtype, "--cpu-threads-bind", "0"], log=logs / "colocated.log")  # fmt: skip
+    config = StackConfig(model=str(model), served_model_name=name, port=free_port(), log_dir=logs, ready_timeout_s=600,
+                         worker_args=("--dtype", dtype, "--speculative-config", MTP))  # fmt: skip
+    try:
+        with Stack(config) as stack:
+            assert wait_http_ok(f"http://127.0.0.1:{port}/health", lambda: colocated.poll() is None, 600), "colocated did not start"
+            yield name, stack, f"http://127.0.0.1:{port}"
+    finally:
+        stop_group(colocated)
+
+
+def test_pd_with_mtp_equals_colocated_without_speculation(mtp_stack):
+    name, stack, colocated = mtp_stack
+    decode = stack.workers("decode")[0]
+    urls = {"router": stack.url, "decode": decode.url, "colocated": colocated}
+    shape = model_shape(stack.config.model)
+    block = attention_block_size(stack.log_path(decode.name).read_text(), shape)
+    completion(urls["router"], name, "warm up the handshake", 4)
+    drafts = metrics_of(decode.url, DRAFTS), metrics_of(decode.url, ACCEPTED)
+    rows = [one_prompt(urls, name, VOCAB, tokens, shape, block, 16, (1, 1)) for tokens in (3, block - 1, block, block + 1)]
+    proposed, accepted = (metrics_of(decode.url, m) - before for m, before in zip((DRAFTS, ACCEPTED), drafts))
+    for row in rows:
+        print(f"[model matrix] {name} + MTP, block {block}: {row}")
+    print(f"[model matrix] {name} + MTP: {proposed:.0f} draft tokens proposed, {accepted:.0f} accepted")
+    assert proposed > 0  # the decode worker speculated; a random head has its drafts rejected, which is lossless
+    for row in rows:
+        assert _equal(row, FAMILIES[name].cpu_dtype), f"{name} + MTP: {row}"
+        # The state crossed NIXL, once, cleanly: not recomputed on the decode worker after a refused handshake.
+        assert (row["transfers"], row["failed_transfers"], row["fallbacks"]) == (1, 0, 0), f"{name} + MTP: {row}"
