@@ -4,7 +4,7 @@ import pytest
 
 from deploy.gpu.gsm8k_gate import NEAR_TIE
 from connector.plan import ModelShape, plan_transfer
-from deploy.gpu.model_matrix import one_full_decode_row, prompt_ids, verdict
+from deploy.gpu.model_matrix import log_errors, one_full_decode_row, prompt_ids, verdict
 
 CLEAN = {"transfers": 1, "planned_transfers": 1, "failed_transfers": 0, "fallbacks": 0, "bytes": 4096, "planned_bytes": 4096,
          "first_divergence": None, "top2_gap_at_divergence": None}  # fmt: skip
@@ -53,3 +53,17 @@ def test_the_decode_row_is_one_new_1_token_full_step():
 def test_prompt_ids_avoid_special_tokens_and_fit_the_vocabulary():
     ids = prompt_ids(3000, 512)
     assert len(ids) == 3000 and min(ids) >= 10 and max(ids) < 512
+
+
+def test_a_servers_error_lines_are_the_last_that_say_why_not_vllms_ulimit_warning(tmp_path):
+    log = tmp_path / "decode.log"
+    log.write_text("\n".join([
+        "INFO starting",
+        "WARNING Found ulimit of 20000 ... This can cause fd limit errors like `OSError: [Errno 24] Too many open files`.",
+        "Traceback (most recent call last):",
+        "RuntimeError: NIXL compatibility hash mismatch",
+        "INFO shutting down",
+    ]))  # fmt: skip
+    assert log_errors(log) == ["Traceback (most recent call last):", "RuntimeError: NIXL compatibility hash mismatch"]
+    assert log_errors(log, limit=1) == ["RuntimeError: NIXL compatibility hash mismatch"]
+    assert log_errors(tmp_path / "never-written.log") == []

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import threading
 import time
@@ -48,6 +47,7 @@ sys.path.insert(0, str(REPO))
 from connector.plan import PlanError, attention_block_size, model_shape, plan_transfer  # noqa: E402
 from deploy.gpu.gsm8k_gate import NEAR_TIE, device_name, versions  # noqa: E402
 from deploy.gpu.pd_check import cli, compare, completion, cudagraph_rows, metrics_of  # noqa: E402
+from services.common.logs import error_lines  # noqa: E402
 from services.common.processes import free_port, spawn, stop_group, wait_http_ok  # noqa: E402
 from services.models.families import FAMILIES, build  # noqa: E402
 
@@ -61,9 +61,10 @@ def prompt_ids(tokens: int, vocab: int, start: int = 7) -> list[int]:
     return [(start + 13 * i) % (vocab - 20) + 10 for i in range(tokens)]
 
 
-def error_lines(log: Path, limit: int = 12) -> list[str]:
+def log_errors(log: Path, limit: int = 12) -> list[str]:
+    """The lines of a server's log that say why it failed, their last 400 characters each."""
     text = log.read_text(errors="replace") if log.exists() else ""
-    return [line[-400:] for line in text.splitlines() if re.search(r"Error|error:|Traceback", line) and "ulimit" not in line][-limit:]
+    return [line[-400:] for line in error_lines(text.splitlines(), limit)]
 
 
 def one_full_decode_row(before: list[tuple], after: list[tuple]) -> bool:
@@ -161,7 +162,7 @@ def run_family(name: str, procs: dict, urls: dict[str, str], model_dir: Path, ou
         result["prompts"] = [one_prompt(urls, name, vocab, n, shape, block, args.max_tokens, tp) for n in lengths]
     except (RuntimeError, httpx.HTTPError, PlanError, OSError) as exc:
         result["error"] = f"{type(exc).__name__}: {exc}"
-        result["log_errors"] = {role: error_lines(out / f"{name}-{role}.log") for role in ("prefill", "decode", "router")}
+        result["log_errors"] = {role: log_errors(out / f"{name}-{role}.log") for role in ("prefill", "decode", "router")}
     result["verdict"] = verdict(result)
     print(json.dumps({k: result.get(k) for k in ("family", "verdict", "ready_s", "attention_block_size", "error")}), flush=True)
     print(f"  {name} decode row: {result.get('decode_row')}", flush=True)

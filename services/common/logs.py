@@ -10,8 +10,9 @@ import argparse
 import contextvars
 import logging
 import sys
+from collections.abc import Iterable
 
-__all__ = ["LOG_LEVELS", "add_log_level_flag", "request_id_var", "configure_logging", "kv"]
+__all__ = ["LOG_LEVELS", "add_log_level_flag", "request_id_var", "configure_logging", "error_lines", "kv"]
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
@@ -43,3 +44,17 @@ def configure_logging(level: str = "INFO") -> None:
 def kv(**fields: object) -> str:
     """Format fields as ``key=value`` pairs for a log line."""
     return " ".join(f"{k}={v}" for k, v in fields.items())
+
+
+# What marks a line of a vLLM server's output as part of why it failed.
+_ERROR_MARKS = ("Error", "error:", "Exception", "Traceback", "raise ", "FAILED")
+
+
+def error_lines(lines: Iterable[str], limit: int) -> list[str]:
+    """The last ``limit`` lines of a vLLM server's output that say why it failed.
+
+    vLLM's start-up warning about the open-files limit quotes an ``OSError`` without one
+    having happened: it is left out.
+    """
+    picked = [line for line in lines if any(mark in line for mark in _ERROR_MARKS) and "ulimit" not in line]
+    return picked[-limit:]

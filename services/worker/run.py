@@ -23,7 +23,7 @@ from connector.capabilities import checked
 from connector.compat import IncompatibleWorkers, check_model
 from connector.identity import worker_identity
 from connector.launch import Role, WorkerSpec, build_launch
-from services.common.logs import kv
+from services.common.logs import error_lines, kv
 from services.common.processes import spawn, stop_group, wait_http_ok
 from services.worker.registration import RouterLink, block_size, running_requests
 from services.worker.settings import WorkerSettings
@@ -62,10 +62,7 @@ def _side_channel_in_use(spec: WorkerSpec) -> str | None:
 
 
 def _why_it_failed(tail: collections.deque[str], limit: int = 8) -> str:
-    lines = list(tail)
-    keys = ("Error", "error:", "Exception", "raise ", "FAILED")
-    picked = [line for line in lines if any(k in line for k in keys)]
-    return "\n".join((picked or lines)[-limit:])
+    return "\n".join(error_lines(tail, limit) or list(tail)[-limit:])
 
 
 def _drain(link: RouterLink | None, vllm_url: str, timeout_s: float) -> None:
