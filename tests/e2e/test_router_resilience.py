@@ -170,9 +170,21 @@ def test_chaos_workers_crash_and_come_back_under_load_and_no_answer_is_wrong(sta
 
 
 def _serving_decode(stack, decode_workers) -> int:
-    """The process group of the decode worker's vLLM that is running a request."""
+    """The process group of the decode worker's vLLM that is generating tokens now.
+
+    Read from its token counter moving, not from ``vllm:num_requests_running``: vLLM sets that
+    gauge at each engine step, so an idle worker keeps the count of its last step (a clean-clone
+    CI run froze the idle worker on a stale 1, and the stream finished without migrating).
+    """
     busy: list[int] = []
-    assert wait_for(lambda: busy.extend(i for i, d in enumerate(decode_workers) if metric(d, "vllm:num_requests_running") >= 1) or busy)
+
+    def generating() -> bool:
+        before = [metric(d, "vllm:generation_tokens_total") for d in decode_workers]
+        time.sleep(0.3)
+        busy[:] = [i for i, (d, b) in enumerate(zip(decode_workers, before, strict=True)) if metric(d, "vllm:generation_tokens_total") > b]
+        return len(busy) == 1
+
+    assert wait_for(generating), busy
     return vllm_group(stack.workers("decode")[busy[0]].url)
 
 
