@@ -40,12 +40,15 @@ it is vLLM's pull connector, with the fixes and hooks below switched on per work
    hand off, and for a two-token one the prefill's N-1 = 1 token would run as a one-token prompt,
    which vLLM answers from stale state under FULL CUDA graphs (vllm-project/vllm#57720); the
    decode worker computes prompts of up to ``connector.plan.LOCAL_PROMPT_TOKENS`` tokens itself.
-9. **Negative control, tests only.** ``HYBRID_PD_TEST_ONLY_DISABLE_DECODE_ROW_FIX=1``
+9. **Pulls noticed in the step that posted them.** When ``HYBRID_PD_PULL_AWAIT_US`` is set,
+   the decode worker waits, up to that long, for the reads it posted in an engine step to
+   complete before vLLM looks at them in that step (:mod:`connector.pull_await` says why).
+10. **Negative control, tests only.** ``HYBRID_PD_TEST_ONLY_DISABLE_DECODE_ROW_FIX=1``
    removes vLLM's decode-row reclassification in this engine, behind the start-up
    checks' back: what a vLLM without it does. On a GPU with FULL CUDA graphs such a
    decode worker answers wrongly (``deploy/gpu/gsm8k_gate.py`` shows it).
 
-Hooks 2-4 act on NIXL, not on vLLM, and work with every vLLM we support.
+Hooks 2-4 and 9 act on NIXL, not on vLLM, and work with every vLLM we support.
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ from connector.nixl_merge import MERGE_ENV, merge_adjacent_descriptors
 from connector.nixl_progress import DELAY_ENV, throttle_progress_thread
 from connector.nixl_trace import TRACE_ENV, record_transfers
 from connector.plan import LOCAL_PROMPT_TOKENS
+from connector.pull_await import AWAIT_ENV, await_transfers, posted_since
 from connector.timeline import from_env as timeline_writer
 from connector.timeline_engine import EngineTimeline
 
@@ -88,6 +92,8 @@ CAPABILITIES: dict[str, str] = json.loads(os.environ.get(CAPABILITIES_ENV) or "{
 # this much of the prefill's lease left recomputes locally instead (a stall during a pull is not caught).
 PULL_START_MARGIN_S = 5.0
 _CHECK_LEASE_BEFORE_PULL = CAPABILITIES.get(FAILED_PULLS) == "fallback:lease-checked-before-pull"
+# How long the decode worker waits for the pulls it posted in a step to complete within it (0: not at all).
+PULL_AWAIT_S = int(os.environ.get(AWAIT_ENV) or 0) / 1e6
 _capability_gauge = None  # hybrid_pd:capability, registered by the first build_prom_metrics in this process
 
 # The attribute of vLLM's connector metadata that carries lease ends from the decode
@@ -133,6 +139,7 @@ class NixlConnector(NixlPullConnector):
         self._lease_s = float(vllm_config.kv_transfer_config.get_from_extra_config("kv_lease_duration", 30))
         self._allocated_expiry: dict[str, float] = {}  # decode scheduler: pulls not yet handed to the workers
         self._pull_expiry: dict[str, float] = {}  # decode worker: pulls in flight
+        self._fresh_pulls: list[int] = []  # decode worker: NIXL handles posted in this step (with PULL_AWAIT_S)
         if (writer := timeline_writer()) is not None:
             self._timeline = EngineTimeline(writer, prefill=vllm_config.kv_transfer_config.kv_role == "kv_producer")
         if self.connector_worker is not None and vllm_config.kv_transfer_config.kv_role == "kv_consumer" and not REPORTS_FAILED_PULLS:
@@ -231,6 +238,7 @@ class NixlConnector(NixlPullConnector):
         self._pull_expiry.update(getattr(connector_metadata, _LEASE_EXPIRY_ATTR, {}))
 
     def get_transfer_results(self, finished_req_ids):  # noqa: ANN001, ANN201 - vLLM's signature
+        self._await_fresh_pulls()
         results = super().get_transfer_results(finished_req_ids)
         now = time.time()
         for req_id in results.finished_recving:
@@ -247,18 +255,33 @@ class NixlConnector(NixlPullConnector):
             self._timeline.pulled(results.finished_recving, results.failed_recving)
         return results
 
-    # Decode, worker side, for the timeline: pulls posted, and (on a vLLM without
-    # get_transfer_results) pulls noticed complete.
+    # Decode, worker side: the pulls posted in this step (awaited with PULL_AWAIT_S), for the timeline
+    # too, and (on a vLLM without get_transfer_results) pulls noticed complete.
     def start_load_kv(self, forward_context, **kwargs) -> None:  # noqa: ANN001, ANN003 - vLLM's signature
+        before = self._transfer_handles() if PULL_AWAIT_S else None
         super().start_load_kv(forward_context, **kwargs)
+        if before is not None:
+            self._fresh_pulls += posted_since(before, self._transfer_handles())
         if self._timeline is not None:
             self._timeline.posted(self._pulls_in_flight())
 
     def get_finished(self, finished_req_ids):  # noqa: ANN001, ANN201 - vLLM's signature
+        self._await_fresh_pulls()
         done_sending, done_recving = super().get_finished(finished_req_ids)
         if self._timeline is not None:
             self._timeline.pulled(done_recving or ())
         return done_sending, done_recving
+
+    def _await_fresh_pulls(self) -> None:
+        """Before vLLM looks at the pulls in this step: wait (bounded) for the ones this step posted."""
+        if self._fresh_pulls:
+            handles, self._fresh_pulls = self._fresh_pulls, []
+            await_transfers(handles, self.connector_worker.nixl_wrapper.check_xfer_state, PULL_AWAIT_S)
+
+    def _transfer_handles(self) -> dict[str, list[int]]:
+        """vLLM's ``_recving_transfers`` (request -> NIXL handles of its reads in flight), copied."""
+        transfers = getattr(self.connector_worker, "_recving_transfers", None)
+        return {req: list(handles) for req, handles in transfers.items()} if isinstance(transfers, dict) else {}
 
     def _pulls_in_flight(self) -> list[str]:
         """vLLM ids of the pulls with a NIXL read posted (vLLM's ``_recving_transfers``).

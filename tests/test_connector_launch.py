@@ -8,6 +8,7 @@ import pytest
 from connector.launch import WorkerSpec, build_launch
 from connector.nixl_merge import MERGE_ENV
 from connector.nixl_progress import DELAY_ENV
+from connector.pull_await import AWAIT_ENV
 from connector.nixl_trace import TRACE_ENV
 from connector.timeline import TIMELINE_DIR_ENV, TIMELINE_SOURCE_ENV
 
@@ -143,6 +144,22 @@ def test_timelined_workers_time_their_server_and_engine_as_their_role(role):
     assert _flag(launch.argv, "--middleware") == "connector.timeline_http.TimelineMiddleware"
     for spec in (_spec(role), _spec("colocated", side_channel_port=0, timeline_dir="/tmp/tl")):
         assert "--middleware" not in build_launch(spec).argv and TIMELINE_DIR_ENV not in build_launch(spec).env
+
+
+def test_decode_workers_await_their_pulls_unless_set_to_zero():
+    assert build_launch(_spec("decode")).env[AWAIT_ENV] == "1000"
+    assert build_launch(_spec("decode", pull_await_us=800)).env[AWAIT_ENV] == "800"
+    assert AWAIT_ENV not in build_launch(_spec("decode", pull_await_us=0)).env
+    assert AWAIT_ENV not in build_launch(_spec("prefill")).env
+
+
+def test_gpu_decode_workers_schedule_synchronously_and_a_vllm_arg_restores_vllms_default():
+    argv = build_launch(_spec("decode", device="cuda")).argv
+    assert "--no-async-scheduling" in argv
+    for role, device in (("prefill", "cuda"), ("colocated", "cuda"), ("decode", "cpu")):
+        assert "--no-async-scheduling" not in build_launch(_spec(role, device=device)).argv
+    restored = build_launch(_spec("decode", device="cuda", vllm_args=("--async-scheduling",))).argv
+    assert restored.index("--async-scheduling") > restored.index("--no-async-scheduling")  # the last one wins in vLLM's parser
 
 
 def test_nixl_progress_thread_is_throttled_on_cpu_workers_only():

@@ -5,6 +5,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
+
 _spec = importlib.util.spec_from_file_location("pd_check", Path(__file__).parents[1] / "deploy" / "gpu" / "pd_check.py")
 pd_check = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(pd_check)
@@ -84,3 +86,38 @@ def test_sweep_with_the_timeline_traces_the_pd_workers_and_keeps_each_levels_bud
     report = {"timeline": {"levels": [{"load": {"kind": "concurrency", "value": 1}, **budget}]}}
     assert "per_request" not in perf_sweep._timeline_summary(report)["timeline"]
     assert perf_sweep._timeline_summary({}) == {}
+
+
+def test_sweep_variants_add_their_own_workers_and_router_beside_the_unchanged_pd(tmp_path):
+    perf_sweep = _perf_sweep()
+    variants = perf_sweep.parse_variants(
+        ["await:decode=--pull-await-us=1000", "sync:decode=--vllm-arg=--no-async-scheduling", "sync:prefill=--vllm-arg=--no-async-scheduling"]
+    )
+    assert [(v.name, v.decode_flags, v.prefill_flags) for v in variants] == [
+        ("await", ("--pull-await-us=1000",), None),
+        ("sync", ("--vllm-arg=--no-async-scheduling",), ("--vllm-arg=--no-async-scheduling",)),
+    ]
+    args = argparse.Namespace(out=tmp_path, device="cuda", gpu_memory_utilization=0.1, kv_cache_gib=4)
+    servers, routers = perf_sweep._servers(args, ["one-gpu"], tmp_path / "model", tmp_path / "timeline", variants)
+    assert routers["one-gpu-await"] == (["prefill"], ["decode0-await"])  # shares the unchanged prefill
+    assert routers["one-gpu-sync"] == (["prefill-sync"], ["decode0-sync"])
+    assert "--pull-await-us=1000" in servers["decode0-await"]["argv"]
+    assert "--pull-await-us=1000" not in servers["decode0"]["argv"]
+    assert "--vllm-arg=--no-async-scheduling" in servers["prefill-sync"]["argv"]
+    assert "--vllm-arg=--no-async-scheduling" not in servers["prefill"]["argv"]
+    assert all(str(tmp_path / "timeline") in servers[n]["argv"] for n in ("decode0-await", "prefill-sync", "decode0-sync"))
+    assert perf_sweep._servers(args, ["two-gpu"], tmp_path / "model", None, variants)[1].keys() == {"two-gpu", "two-gpu-baseline"}
+
+
+@pytest.mark.parametrize("text", ["await", "await:decode", "await:other=--x", ":decode=--x", "await:prefill=--x"])
+def test_a_variant_without_its_decode_worker_or_malformed_is_refused(text):
+    with pytest.raises(ValueError, match="--variant"):
+        _perf_sweep().parse_variants([text])
+
+
+def test_a_variants_level_keeps_the_unchanged_pds_budget_beside_its_own(tmp_path):
+    budget = {"group": "g", "requests": 2, "segments": {}, "ttft": {}, "per_request": [{}, {}]}
+    level = {"load": {"kind": "concurrency", "value": 1}, **budget}
+    summary = _perf_sweep()._timeline_summary({"timeline": {"levels": [level], "baseline_levels": [level]}})
+    assert set(summary) == {"timeline", "baseline_timeline"}
+    assert "per_request" not in summary["baseline_timeline"]

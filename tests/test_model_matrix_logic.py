@@ -36,6 +36,13 @@ def test_heterogeneous_tp_expects_one_transfer_per_prefill_rank_a_decode_rank_re
     assert verdict({"prompts": [{**two, "transfers": 1}], "decode_row": FULL_ROW}) == "FAIL"
 
 
+def test_with_speculation_the_bytes_are_reported_not_checked_against_a_plan_without_the_mtp_layer():
+    mtp_bytes = {**CLEAN, "bytes": CLEAN["planned_bytes"] + 163_840}
+    assert verdict({"prompts": [mtp_bytes], "decode_row": FULL_ROW}) == "FAIL"
+    assert verdict({"prompts": [mtp_bytes], "decode_row": FULL_ROW, "speculative_config": '{"method":"mtp"}'}) == "PASS"
+    assert verdict({"prompts": [{**mtp_bytes, "transfers": 0}], "decode_row": FULL_ROW, "speculative_config": '{"method":"mtp"}'}) == "FAIL"
+
+
 def test_no_full_decode_row_or_no_prompts_fails():
     assert verdict({"prompts": [CLEAN], "decode_row": {"one_full_1_token_step": False}}) == "FAIL"
     assert verdict({"error": "RuntimeError: decode did not start"}) == "FAIL"

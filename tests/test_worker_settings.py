@@ -18,7 +18,7 @@ FLAGS = [
     "--model", "--served-model-name", "--host", "--port", "--side-channel-host", "--side-channel-port", "--device",
     "--tensor-parallel-size", "--dtype", "--max-model-len", "--max-num-seqs", "--kv-cache-memory-bytes",
     "--gpu-memory-utilization", "--cpu-threads-bind", "--ready-timeout-s", "--kv-lease-s", "--ucx-net-devices",
-    "--merge-descriptors", "--no-merge-descriptors", "--nixl-trace-dir", "--timeline-dir", "--decode-row-fix", "--router-url",
+    "--merge-descriptors", "--no-merge-descriptors", "--pull-await-us", "--nixl-trace-dir", "--timeline-dir", "--decode-row-fix", "--router-url",
     "--router-every-address", "--no-router-every-address", "--advertise-url",
     "--drain-timeout-s", "--speculative-config", "--vllm-arg", "--dry-run",
 ]  # fmt: skip
@@ -46,6 +46,9 @@ def test_flags_parse_to_the_fields_types():
     assert (settings.port, settings.gpu_memory_utilization, settings.device) == (9100, 0.5, "cuda")
     assert settings.merge_descriptors is False
     assert settings.vllm_args == ("--foo", "bar")
+    assert _settings(["--pull-await-us", "800"]).pull_await_us == 800
+    with pytest.raises(ValueError, match="0 or more"):
+        _settings(["--pull-await-us", "-1"])
 
 
 def test_a_flag_wins_over_the_environment_which_wins_over_the_default(monkeypatch):

@@ -26,6 +26,14 @@ FULL_AND_PIECEWISE CUDA graphs, ``--cudagraph-metrics``) and a router. Then per 
    exactly the planned NIXL transfers per request (one with equal TP), none failed, no router
    fallback, and the bytes vLLM counts equal to ``hybrid-pd plan`` for the config.
 
+``--speculative-config JSON`` (e.g. ``{"method": "mtp", "num_speculative_tokens": 2}``): the
+families with an MTP head are built with a random one and both P/D workers speculate; the
+baseline is then a colocated server *without* speculation (greedy speculative decoding is
+lossless, so P/D + MTP must answer as plain decoding does; ``--baseline-speculates`` gives it
+the same speculation, to test the split alone), and the decode worker's draft
+acceptance is reported (near zero: the heads are random). ``hybrid-pd plan`` does not count the
+MTP layer's state, so the bytes check is reported, not passed, for these rows.
+
 A family whose servers do not start is recorded with the error lines of its logs, not
 dropped. Writes ``summary.json`` (updated as each family finishes) and every log to ``--out``.
 """
@@ -53,6 +61,7 @@ from services.models.families import FAMILIES, build  # noqa: E402
 
 XFERS, FAILED, BYTES = "vllm:nixl_xfer_time_seconds_count", "vllm:nixl_num_failed_transfers_total", "vllm:nixl_bytes_transferred_sum"
 XFER_SECONDS, FALLBACKS = "vllm:nixl_xfer_time_seconds_sum", "hybrid_pd_fallbacks_total"
+DRAFTS, ACCEPTED = "vllm:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_accepted_tokens_total"
 MAX_MODEL_LEN = 4096
 
 
@@ -133,8 +142,11 @@ def verdict(result: dict) -> str:
     prompts = result.get("prompts", [])
     if not prompts:
         return "FAIL"
+    bytes_planned = not result.get("speculative_config")  # the plan has no MTP layer state (module docstring)
     clean = all(
-        (p["transfers"], p["failed_transfers"], p["fallbacks"], p["bytes"]) == (p["planned_transfers"], 0, 0, p["planned_bytes"]) for p in prompts
+        (p["transfers"], p["failed_transfers"], p["fallbacks"]) == (p["planned_transfers"], 0, 0)
+        and (p["bytes"] == p["planned_bytes"] or not bytes_planned)
+        for p in prompts
     )
     ties = all(p["first_divergence"] is None or (p["top2_gap_at_divergence"] or 0) <= NEAR_TIE for p in prompts)
     return "PASS" if clean and ties and result.get("decode_row", {}).get("one_full_1_token_step") else "FAIL"
@@ -144,7 +156,7 @@ def run_family(name: str, procs: dict, urls: dict[str, str], model_dir: Path, ou
     result: dict = {"family": name, "architecture": FAMILIES[name].architecture, "published": FAMILIES[name].published}
     started = time.monotonic()
     try:
-        for role in ("prefill", "decode", "router"):
+        for role in [r for r in ("prefill", "decode", "colocated", "router") if r in procs]:
             if not wait_http_ok(urls[role] + "/health", lambda p=procs[role]: p.poll() is None, args.ready_timeout_s):
                 raise RuntimeError(f"{role} did not start")
         result["ready_s"] = round(time.monotonic() - started, 1)
@@ -159,12 +171,17 @@ def run_family(name: str, procs: dict, urls: dict[str, str], model_dir: Path, ou
         result["attention_block_size"] = block
         result["decode_row"] = decode_row(urls, name, vocab, out / f"{name}-decode.log")
         lengths = sorted({*args.prompt_tokens, block - 1, block, block + 1} & set(range(1, MAX_MODEL_LEN - args.max_tokens)))
+        drafts_before = [metrics_of(urls["decode"], n) for n in (DRAFTS, ACCEPTED)]
         result["prompts"] = [one_prompt(urls, name, vocab, n, shape, block, args.max_tokens, tp) for n in lengths]
+        if args.speculative_config:
+            drafts, accepted = (metrics_of(urls["decode"], n) - b for n, b in zip((DRAFTS, ACCEPTED), drafts_before, strict=True))
+            result["speculative_config"] = args.speculative_config
+            result["drafts"] = {"proposed": drafts, "accepted": accepted, "acceptance": round(accepted / drafts, 4) if drafts else None}
     except (RuntimeError, httpx.HTTPError, PlanError, OSError) as exc:
         result["error"] = f"{type(exc).__name__}: {exc}"
-        result["log_errors"] = {role: log_errors(out / f"{name}-{role}.log") for role in ("prefill", "decode", "router")}
+        result["log_errors"] = {role: log_errors(out / f"{name}-{role}.log") for role in procs}
     result["verdict"] = verdict(result)
-    print(json.dumps({k: result.get(k) for k in ("family", "verdict", "ready_s", "attention_block_size", "error")}), flush=True)
+    print(json.dumps({k: result.get(k) for k in ("family", "verdict", "ready_s", "attention_block_size", "drafts", "error")}), flush=True)
     print(f"  {name} decode row: {result.get('decode_row')}", flush=True)
     for row in result.get("prompts", []):
         print(f"  {name} {json.dumps(row)}", flush=True)
@@ -174,17 +191,22 @@ def run_family(name: str, procs: dict, urls: dict[str, str], model_dir: Path, ou
 
 
 def start_family(name: str, model_dir: Path, out: Path, args) -> tuple[dict, dict[str, str]]:
-    ports = {role: free_port() for role in ("prefill", "decode", "router")}
+    """The family's prefill, decode worker and router; with ``--speculative-config`` both workers speculate and a colocated server, on the decode GPUs, does not."""
+    roles = [("prefill", args.prefill_gpus), ("decode", args.decode_gpus)] + [("colocated", args.decode_gpus)] * bool(args.speculative_config)
+    ports = {role: free_port() for role in [r for r, _ in roles] + ["router"]}
     common = ["--model", str(model_dir), "--served-model-name", name, "--device", args.device, "--max-model-len", str(MAX_MODEL_LEN),
               "--max-num-seqs", "16", "--gpu-memory-utilization", str(args.gpu_memory_utilization),
               "--kv-cache-memory-bytes", str(int(args.kv_cache_gib * (1 << 30))), "--vllm-arg=--cudagraph-metrics"]  # fmt: skip
+    speculation = ["--speculative-config", args.speculative_config] if args.speculative_config else []
     procs = {
         role: spawn(
-            cli(role, *common, "--port", str(ports[role]), "--side-channel-port", str(free_port()), "--tensor-parallel-size", str(len(gpus))),
+            cli(role, *common, "--port", str(ports[role]), "--tensor-parallel-size", str(len(gpus)),
+                *(["--side-channel-port", str(free_port())] if role != "colocated" else []),
+                *(speculation if role != "colocated" or args.baseline_speculates else [])),  # fmt: skip
             env={"CUDA_VISIBLE_DEVICES": ",".join(gpus)} if args.device == "cuda" else None,
             log=out / f"{name}-{role}.log",
         )
-        for role, gpus in (("prefill", args.prefill_gpus), ("decode", args.decode_gpus))
+        for role, gpus in roles
     }
     urls = {role: f"http://127.0.0.1:{port}" for role, port in ports.items()}
     procs["router"] = spawn(
@@ -207,6 +229,8 @@ def main() -> int:
     gpu_list = lambda s: [g for g in s.split(",") if g]  # noqa: E731
     ap.add_argument("--prefill-gpus", type=gpu_list, default=["0"], help="CUDA devices of each family's prefill worker; its TP size is their count")
     ap.add_argument("--decode-gpus", type=gpu_list, default=["0"], help="CUDA devices of each family's decode worker; its TP size is their count")
+    ap.add_argument("--speculative-config", help="both P/D workers speculate (vLLM's JSON); families with an MTP head only; baseline: colocated without")
+    ap.add_argument("--baseline-speculates", action="store_true", help="with --speculative-config: the colocated baseline speculates the same way (P/D alone under test)")
     args = ap.parse_args()
     args.prefill_tp, args.decode_tp = len(args.prefill_gpus), len(args.decode_gpus)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -214,10 +238,18 @@ def main() -> int:
     unknown = [n for n in names if n not in FAMILIES]
     if unknown:
         ap.error(f"unknown families {unknown}; known: {', '.join(FAMILIES)}")
+    without_head = [n for n in names if args.speculative_config and FAMILIES[n].mtp_layer_type is None]
+    if without_head:
+        ap.error(f"--speculative-config: {without_head} have no MTP head here")
     results: dict = {"_run": {"device": device_name(), "versions": versions(), "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
-                              "prefill_gpus": args.prefill_gpus, "decode_gpus": args.decode_gpus}}  # fmt: skip
+                              "prefill_gpus": args.prefill_gpus, "decode_gpus": args.decode_gpus,
+                              "speculative_config": args.speculative_config, "baseline_speculates": args.baseline_speculates}}  # fmt: skip
     started = time.monotonic()
-    models = {n: args.models / n if (args.models / n / "config.json").exists() else build(n, args.models / n, scale="published") for n in names}
+    mtp = bool(args.speculative_config)
+    models_dir = args.models / "mtp" if mtp else args.models
+    models = {
+        n: models_dir / n if (models_dir / n / "config.json").exists() else build(n, models_dir / n, scale="published", mtp=mtp) for n in names
+    }
     print(f"checkpoints built in {time.monotonic() - started:.0f} s", flush=True)
     servers = {n: start_family(n, models[n], args.out, args) for n in names}
     lock = threading.Lock()

@@ -26,6 +26,16 @@ and with UCX's defaults.
 Writes ``summary.json``, each level's bench JSON and the servers' logs to ``--out``, and
 ``sweep-<layout>.png`` when matplotlib is installed (``--plot-from summary.json`` redraws them).
 
+``--variant NAME:ROLE=FLAG,FLAG``: before/after in one run (one-gpu). A variant gets a decode
+worker of its own on GPU 0 with these extra worker flags (``NAME:decode=...``), and a prefill
+worker of its own where ``NAME:prefill=...`` is given too (else it shares the prefill), behind
+a router of its own; at every level it is benched against the unchanged P/D (same prompts,
+interleaved), after the P/D-vs-colocated bench, with ``--timeline`` budgets of both. Issue #12's
+cuts were measured so:
+
+    python deploy/gpu/perf_sweep.py --out results/ --layouts one-gpu --levels 1,32 --timeline \
+        --variant await:decode=--pull-await-us=1000 --variant sync:decode=--vllm-arg=--no-async-scheduling
+
 ``--timeline``: the P/D routers and workers also record the hand-off timeline into
 ``<out>/timeline`` (``--timeline-dir``), and each level's bench prints and keeps its budget
 (``hybrid-pd bench --timeline``): where P/D's TTFT goes, segment by segment, p50/p90/mean,
@@ -74,19 +84,62 @@ LAYOUTS = {
 }
 
 
-def _servers(args: argparse.Namespace, layouts: list[str], model_dir: Path, timeline: Path | None) -> tuple[dict[str, dict], dict[str, tuple]]:
-    """{name: {gpu, argv, url}} of the vLLM servers the layouts use and {router name: (prefill names, decode names)}; ``timeline``: P/D workers record there."""
+@dataclass(frozen=True)
+class Variant:
+    """A P/D pair changed by extra worker flags, measured against the unchanged one (``--variant``)."""
+
+    name: str
+    decode_flags: tuple[str, ...]
+    prefill_flags: tuple[str, ...] | None  # None: shares the unchanged prefill
+
+    @property
+    def servers(self) -> dict[str, tuple[str, int, tuple[str, ...]]]:
+        """{server name: (role, GPU, extra flags)} this variant adds."""
+        added = {f"decode0-{self.name}": ("decode", 0, self.decode_flags)}
+        if self.prefill_flags is not None:
+            added[f"prefill-{self.name}"] = ("prefill", 0, self.prefill_flags)
+        return added
+
+    @property
+    def legs(self) -> tuple[list[str], list[str]]:
+        """(prefill names, decode names) behind the variant's router."""
+        return [f"prefill-{self.name}" if self.prefill_flags is not None else "prefill"], [f"decode0-{self.name}"]
+
+
+def parse_variants(texts: list[str]) -> list[Variant]:
+    """``NAME:decode=FLAG,FLAG`` and ``NAME:prefill=FLAG,...`` entries, one Variant per name (each needs its decode entry)."""
+    flags: dict[str, dict[str, tuple[str, ...]]] = {}
+    for text in texts:
+        key, sep, value = text.partition("=")
+        name, _, role = key.partition(":")
+        if not sep or not name or role not in ("decode", "prefill") or role in flags.get(name, {}):
+            raise ValueError(f"--variant {text!r}: want NAME:decode=FLAG[,FLAG...] or NAME:prefill=..., each once per name")
+        flags.setdefault(name, {})[role] = tuple(f for f in value.split(",") if f)
+    missing = [name for name, roles in flags.items() if "decode" not in roles]
+    if missing:
+        raise ValueError(f"--variant {missing[0]}: every variant needs NAME:decode=... (its own decode worker)")
+    return [Variant(name, roles["decode"], roles.get("prefill")) for name, roles in flags.items()]
+
+
+def _servers(
+    args: argparse.Namespace, layouts: list[str], model_dir: Path, timeline: Path | None, variants: list[Variant] = ()
+) -> tuple[dict[str, dict], dict[str, tuple]]:
+    """{name: {gpu, argv, url}} of the vLLM servers the layouts (and one-gpu variants) use and {router name: (prefill names, decode names)}; ``timeline``: P/D workers record there."""
     common = ["--model", str(model_dir), "--served-model-name", NAME, "--device", args.device, "--max-model-len", "4096",
               "--max-num-seqs", "64"]  # fmt: skip
     if args.device == "cuda":
         common += ["--gpu-memory-utilization", str(args.gpu_memory_utilization), "--kv-cache-memory-bytes", str(int(args.kv_cache_gib * (1 << 30)))]
     routers = {name: legs for layout in layouts for name, legs in LAYOUTS[layout].items()}
+    known = {name: (role, gpu, ()) for name, (role, gpu) in SERVERS.items()}
+    for variant in variants if "one-gpu" in layouts else ():
+        known |= variant.servers
+        routers[f"one-gpu-{variant.name}"] = variant.legs
     wanted = dict.fromkeys(name for prefills, decodes in routers.values() for name in (*prefills, *decodes))
     servers = {}
     for name in wanted:
-        role, gpu = SERVERS[name]
+        role, gpu, extra = known[name]
         port = free_port()
-        argv = cli(role, *common, "--port", str(port))
+        argv = cli(role, *common, "--port", str(port), *extra)
         if role != "colocated":
             argv += ["--side-channel-port", str(free_port()), "--nixl-trace-dir", str(args.out / "trace")]
             argv += ["--timeline-dir", str(timeline)] if timeline else []
@@ -135,8 +188,13 @@ def _timeline_summary(report: dict) -> dict:
     """The level's hand-off budget (``hybrid-pd bench --timeline``) without its per-request rows (those stay in the level's JSON)."""
     if "timeline" not in report:
         return {}
-    budget = {k: v for k, v in report["timeline"]["levels"][0].items() if k != "per_request"}
-    return {"timeline": budget}
+    def without_rows(level: dict) -> dict:
+        return {k: v for k, v in level.items() if k != "per_request"}
+
+    out = {"timeline": without_rows(report["timeline"]["levels"][0])}
+    if report["timeline"].get("baseline_levels"):  # a variant's bench: the unchanged P/D's budget beside
+        out["baseline_timeline"] = without_rows(report["timeline"]["baseline_levels"][0])
+    return out
 
 
 def _floor(trace: Path, out: Path, in_flight: str, case: tuple[str, int, int, bool, int], zero_copy: bool) -> dict:
@@ -189,8 +247,11 @@ def main() -> int:
     ap.add_argument("--plot-from", type=Path, metavar="SUMMARY", help="only draw the plots of an earlier run's summary.json into --out")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a smoke run with the embedded model")
     ap.add_argument("--timeline", action="store_true", help="record the hand-off timeline and keep each level's budget (P/D layouts)")
+    ap.add_argument("--no-floor", action="store_true", help="skip the NIXL floor replay after the servers stop")
     ap.add_argument("--model", type=Path, help="checkpoint to serve (default: pd_check.py's random-weight hybrid)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.2, help="per server; raise it for an 8B model (its weights must fit)")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME:ROLE=FLAGS",
+                    help="one-gpu: a P/D pair with these extra worker flags, benched against the unchanged one (repeatable; see above)")
     ap.add_argument("--kv-cache-gib", type=float, default=8, help="per server: attention KV and Mamba state (8B Nemotron-H: ~100 MB of state per sequence)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -201,7 +262,8 @@ def main() -> int:
     levels = [int(x) for x in args.levels.split(",")]
     model_dir = args.model or (gpu_model() if args.device == "cuda" else ensure_default_model())
     timeline = args.out / "timeline" if args.timeline else None
-    servers, routers = _servers(args, layouts, model_dir, timeline)
+    variants = parse_variants(args.variant) if "one-gpu" in layouts else []
+    servers, routers = _servers(args, layouts, model_dir, timeline, variants)
     procs, urls = {}, {}
     started = time.monotonic()
     for name, server in servers.items():
@@ -214,29 +276,39 @@ def main() -> int:
         argv += [a for p in prefills for a in ("--prefill", urls[p])] + [a for d in decodes for a in ("--decode", urls[d])]
         procs[name] = spawn(argv, log=args.out / f"router-{name}.log")
         urls[name] = f"http://127.0.0.1:{port}"
-    summary: dict = {"layouts": {}, "levels": levels, "input_len": args.input_len, "output_len": args.output_len, "timeline": args.timeline,
+    summary: dict = {"layouts": {}, "variants": {}, "levels": levels, "input_len": args.input_len, "output_len": args.output_len, "timeline": args.timeline,
                      "model": str(model_dir), "config": json.loads((model_dir / "config.json").read_text())}  # fmt: skip
     try:
         summary["ready_s"] = wait_all_ready(procs, urls, args.out, started, timeout_s=600)
         for layout in layouts:
             decode_urls = [urls[d] for d in routers[layout][1]]
             endpoint, baseline = urls[layout], urls[f"{layout}-baseline"]
-            _bench(args, endpoint, baseline, max(levels), 2 * max(levels), seed=1000, out=None)  # warm-up, discarded
-            results = {}
+            # (name, router, baseline router, decode servers): P/D against colocated, then each variant against P/D
+            runs = [(layout, endpoint, baseline, decode_urls)]
+            if layout == "one-gpu":
+                runs += [(f"{layout}-{v.name}", urls[f"{layout}-{v.name}"], endpoint, [urls[d] for d in v.legs[1]]) for v in variants]
+            for _, router, against, _ in runs:
+                _bench(args, router, against, max(levels), 2 * max(levels), seed=1000, out=None)  # warm-up, discarded
+            results: dict[str, dict] = {name: {} for name, *_ in runs}
             for level in levels:
-                before = _decode_figures(decode_urls)
-                report = args.out / f"{layout}-c{level}.json"
-                code = _bench(args, endpoint, baseline, level, max(32, args.prompts_per_request_in_flight * level), level, report, timeline)
-                time.sleep(11)  # vLLM publishes NIXL stats once per logging interval
-                after = _decode_figures(decode_urls)
-                results[level] = {"bench_exit_code": code, **_level_summary(report, {k: after[k] - before[k] for k in after})}
-                print(layout, level, json.dumps({k: v for k, v in results[level].items() if k not in ("pd", "baseline")}), flush=True)
-            summary["layouts"][layout] = results
+                for name, router, against, decodes in runs:
+                    before = _decode_figures(decodes)
+                    report = args.out / f"{name}-c{level}.json"
+                    prompts = max(32, args.prompts_per_request_in_flight * level)
+                    code = _bench(args, router, against, level, prompts, level, report, timeline)
+                    time.sleep(11)  # vLLM publishes NIXL stats once per logging interval
+                    after = _decode_figures(decodes)
+                    results[name][level] = {"bench_exit_code": code, **_level_summary(report, {k: after[k] - before[k] for k in after})}
+                    print(name, level, json.dumps({k: v for k, v in results[name][level].items() if k not in ("pd", "baseline")}), flush=True)
+            summary["layouts"][layout] = results.pop(layout)
+            summary["variants"] |= {name.removeprefix(f"{layout}-"): r for name, r in results.items()}
     finally:
         for proc in procs.values():
             stop_group(proc, grace_s=10)
         (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
 
+    if args.no_floor:
+        return 0
     in_flight = f"1,{max(levels)}"
     # (name, initiator GPU, target GPU, each side sees only its GPU as the workers do, completion polled every N us)
     cases = [("same-gpu", 0, 0, False, 0), ("same-gpu-polled-1ms", 0, 0, False, 1000)]

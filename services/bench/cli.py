@@ -152,21 +152,32 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def _timeline(directory: Path, run_id: str, report: BenchReport) -> dict:
-    """Print the endpoint's hand-off budget at each level of this run (requests named ``run_id``); the JSON of them."""
+    """Print the endpoint's hand-off budget at each level of this run (requests named ``run_id``); the JSON of them.
+
+    A baseline whose router and workers record into the same folder (P/D before a change,
+    the endpoint after it) gets its budget beside, under ``baseline_levels``.
+    """
     from services.bench.budget import budget, format_budget
     from services.bench.runner import level_request_ids
     from services.bench.timeline import load_events, timelines
 
     found = timelines(load_events(directory)) if directory.is_dir() else []
-    levels = []
-    for level in report.levels:
-        prefix = level_request_ids(run_id, "endpoint", level.load) + "-"
-        b = budget(prefix[:-1], [t for t in found if t.rid.startswith(prefix)])
-        if not b.requests:
-            log.warning("no request of %s is traced in %s: are the router and workers started with --timeline-dir %s?", level.load.label, directory, directory)
-        print("\n" + format_budget(b, f"hand-off budget at {level.load.label}"), flush=True)
-        levels.append({"load": level.load.to_json(), **b.to_json()})
-    return {"dir": str(directory), "run_id": run_id, "levels": levels}
+    out: dict = {"dir": str(directory), "run_id": run_id}
+    for role, key in (("endpoint", "levels"), ("baseline", "baseline_levels")):
+        levels = []
+        for level in report.levels:
+            prefix = level_request_ids(run_id, role, level.load) + "-"
+            b = budget(prefix[:-1], [t for t in found if t.rid.startswith(prefix)])
+            if not b.requests:
+                if role == "endpoint":
+                    log.warning("no request of %s is traced in %s: are the router and workers started with --timeline-dir %s?", level.load.label, directory, directory)
+                else:
+                    continue  # a colocated baseline: nothing to trace
+            print("\n" + format_budget(b, f"{role} hand-off budget at {level.load.label}"), flush=True)
+            levels.append({"load": level.load.to_json(), **b.to_json()})
+        if levels or role == "endpoint":
+            out[key] = levels
+    return out
 
 
 async def _bench(args: argparse.Namespace, run_id: str | None) -> BenchReport:

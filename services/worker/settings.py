@@ -53,6 +53,11 @@ class WorkerSettings(BaseSettings):
     merge_descriptors: bool = Field(
         True, description="post NIXL reads that are adjacent on both sides as one descriptor (default: on)"
     )
+    pull_await_us: int = Field(
+        1000,
+        description="decode: wait up to this many microseconds, in the engine step that posted a pull, for it to "
+        "complete, so vLLM notices it in that step instead of the next (0: vLLM's behaviour)",
+    )
     nixl_trace_dir: str | None = Field(
         None, description="record every NIXL transfer into this folder (benchmarks/nixl_floor.py replays it)"
     )
@@ -91,7 +96,7 @@ class WorkerSettings(BaseSettings):
     _counts = field_validator("tensor_parallel_size", "max_model_len", "max_num_seqs", "kv_cache_memory_bytes", "kv_lease_s")(checks.positive)  # fmt: skip
     _memory = field_validator("gpu_memory_utilization")(checks.fraction)
     _seconds = field_validator("ready_timeout_s", "heartbeat_interval_s")(checks.positive)
-    _drain = field_validator("drain_timeout_s")(checks.not_negative)
+    _drain = field_validator("drain_timeout_s", "pull_await_us")(checks.not_negative)
     _url = field_validator("advertise_url")(checks.http_url)
     _speculative = field_validator("speculative_config")(checks.json_object)
 
