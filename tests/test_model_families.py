@@ -105,5 +105,24 @@ def test_an_mtp_head_is_written_under_the_names_vllms_qwen3_next_mtp_loads(tmp_p
     assert weights["mtp.fc.weight"].shape == (hidden, 2 * hidden)
     assert {k for k in weights if k.startswith("mtp.") and "layers" not in k} == {
         "mtp.fc.weight", "mtp.norm.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.pre_fc_norm_embedding.weight"}
+    assert not weights["mtp.norm.weight"].any()  # Qwen3-Next's norms scale by 1 + w: zero is the identity
     with pytest.raises(ValueError, match="no MTP head"):
         build("falcon_h1", tmp_path / "f", mtp=True)
+
+
+def test_an_mtp_head_is_written_under_the_names_vllms_nemotron_h_mtp_loads(tmp_path):
+    """vLLM's NemotronHMTP: ``mtp.layers.0.*`` an attention layer with enorm, hnorm, eh_proj and final_layernorm."""
+    from safetensors.torch import load_file
+
+    out = build("nemotron_h", tmp_path / "n", mtp=True)
+    config = json.loads((out / "config.json").read_text())
+    assert (config["num_nextn_predict_layers"], config["mtp_layers_block_type"]) == (1, ["full_attention"])  # pattern "*"
+    weights = load_file(out / "model.safetensors")
+    layer = config["layers_block_type"].index("full_attention")
+    main = {k.removeprefix(f"backbone.layers.{layer}."): v.shape for k, v in weights.items() if k.startswith(f"backbone.layers.{layer}.")}
+    head = {k.removeprefix("mtp.layers.0."): v for k, v in weights.items() if k.startswith("mtp.layers.0.")}
+    hidden = config["hidden_size"]
+    assert {k: v.shape for k, v in head.items()} == {
+        **main, "eh_proj.weight": (hidden, 2 * hidden), "enorm.weight": (hidden,), "hnorm.weight": (hidden,), "final_layernorm.weight": (hidden,)}
+    assert all((head[n] == 1).all() for n in ("norm.weight", "enorm.weight", "hnorm.weight", "final_layernorm.weight"))  # NemotronH scales by w
+    assert not any(k.startswith("mtp.") and not k.startswith("mtp.layers.0.") for k in weights)

