@@ -188,6 +188,17 @@ def _serving_decode(stack, decode_workers) -> int:
     return vllm_group(stack.workers("decode")[busy[0]].url)
 
 
+def _long_stream(stack) -> dict:
+    """A greedy request that is still generating when a test freezes or kills its decode worker.
+
+    Long and slowed by 20 logprobs per token. The frozen-worker test once used 400 tokens with 5
+    logprobs: what vLLM had generated before the SIGSTOP sits in the sockets' buffers while the
+    test finds the serving worker, and a clean-clone CI run saw that stream reach the client whole,
+    text right, with no stall for the router to notice (no migration counted).
+    """
+    return {"model": _model(stack), "prompt": "Once upon a time", "max_tokens": 2000, "logprobs": 20, "ignore_eos": True, "temperature": 0}
+
+
 def _text(events: list[str]) -> str:
     assert events[-1] == "data: [DONE]" and not any('"error"' in e for e in events), events[-3:]
     return "".join(c["text"] for e in events[:-1] for c in json.loads(e[6:])["choices"])
@@ -201,7 +212,7 @@ def test_a_decode_worker_frozen_mid_stream_the_stream_goes_on_on_the_other_one_a
     """
     settings = RouterSettings(prefill=[w.url for w in stack.workers("prefill")], decode=[w.url for w in stack.workers("decode")],
                               decode_stall_timeout_s=5, decode_policy="round_robin")  # fmt: skip
-    body = {"model": _model(stack), "prompt": "Once upon a time", "max_tokens": 400, "temperature": 0, "logprobs": 5, "ignore_eos": True}
+    body = _long_stream(stack)
     expected = colocated.post("/v1/completions", json=body).json()["choices"][0]["text"]
     with serve_in_thread(create_app(settings), lifespan="on") as url:
         assert wait_for(lambda: len(httpx.get(url + "/health").json()["available"]["decode"]) == 2, timeout_s=60)
@@ -226,8 +237,7 @@ def test_a_decode_worker_frozen_mid_stream_the_stream_goes_on_on_the_other_one_a
 
 def test_decode_worker_killed_mid_stream_the_stream_goes_on_on_the_survivor_as_colocated(stack, colocated, decode_workers):
     """kill -9 of the decode worker serving a stream (keep this test last: the worker stays dead)."""
-    # Long and slowed by 20 logprobs per token: the tiny model must still be generating when the kill comes.
-    body = {"model": _model(stack), "prompt": "Once upon a time", "max_tokens": 2000, "logprobs": 20, "ignore_eos": True, "temperature": 0}
+    body = _long_stream(stack)
     migrated = lambda: metric_sum(httpx.get(stack.url + "/metrics").text, 'hybrid_pd_migrations_total{outcome="ok"}')  # noqa: E731
     before = migrated()  # the chaos test's crashes migrate streams through this router too
     client, response, first, lines = _open_stream(stack.url, {**body, "stream": True}, events=3)
