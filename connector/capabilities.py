@@ -49,6 +49,7 @@ __all__ = [
     "check",
     "check_in_subprocess",
     "checked",
+    "moves_draft_state_blocks",
     "reports_failed_pulls",
     "vllm_version",
 ]
@@ -192,6 +193,19 @@ def reports_failed_pulls() -> bool:
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPullConnector
 
     return hasattr(NixlPullConnector, "get_transfer_results")
+
+
+def moves_draft_state_blocks() -> bool:
+    """Whether the installed vLLM's NIXL connector moves a speculating request's draft state blocks too.
+
+    With speculative decoding a request holds ``1 + num_speculative_tokens`` state blocks per
+    Mamba/GDN layer. vLLM 0.32's NIXL scheduler clips them to the running state before it
+    exchanges block ids (``get_exchange_clipped_blocks``); vLLM 0.26's has no such step and moved
+    all of them (GPU counters, docs/models.md). :mod:`connector.plan` counts the bytes by it.
+    """
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import NixlPullConnectorScheduler
+
+    return not hasattr(NixlPullConnectorScheduler, "get_exchange_clipped_blocks")
 
 
 def _probe_failed_pulls() -> str | None:

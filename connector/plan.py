@@ -12,8 +12,16 @@ For a prompt of N tokens the prefill computes N-1 and the decode worker pulls:
 
 With heterogeneous TP each decode rank reads its slice from the prefill rank(s)
 that hold it: D >= P reads one prefill rank (a 1/(D/P) slice of its state),
-P > D reads P/D prefill ranks whole. This module reads the model's config.json
-and does the arithmetic; ``hybrid-pd plan`` prints it.
+P > D reads P/D prefill ranks whole.
+
+Layers are counted as vLLM's hybrid KV-cache manager lays them out: it groups the layers of
+each kind into groups of one size and pads the last group of a kind (:func:`layer_slots`), and
+its NIXL connector moves the padding slots' state too. With MTP speculative decoding
+(:class:`Speculation`) the MTP head's attention layers join the model's, every Mamba2/GDN conv
+state is ``num_speculative_tokens`` rows longer, and a request holds ``1 + num_speculative_tokens``
+state blocks per linear layer, of which vLLM moves one or all (GPU and CPU counters in
+docs/models.md reproduce to the byte). This module reads the model's config.json and does the
+arithmetic; ``hybrid-pd plan`` prints it.
 """
 
 from __future__ import annotations
@@ -24,7 +32,18 @@ import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = ["LOCAL_PROMPT_TOKENS", "ModelShape", "PlanError", "TransferPlan", "attention_block_size", "model_shape", "plan_transfer"]
+__all__ = [
+    "LOCAL_PROMPT_TOKENS",
+    "ModelShape",
+    "PlanError",
+    "Speculation",
+    "TransferPlan",
+    "attention_block_size",
+    "draft_tokens",
+    "layer_slots",
+    "model_shape",
+    "plan_transfer",
+]
 
 # Prompts of at most this many tokens are computed by the decode worker alone, with no pull
 # (connector.nixl_connector). A one-token prompt has no h(N-1): the prefill cannot stop at 0
@@ -60,6 +79,7 @@ class ModelShape:
     ssm_dtype_bytes: int
     state_kind: str = "mamba2"  # mamba2 (conv x|B|C), gdn (conv Q|K|V: groups = key heads), mamba1 (conv x only)
     mamba_groups: int = 1  # Mamba2 groups (GDN: key heads); vLLM replicates them on TP ranks when TP does not divide them
+    mtp_attention_layers: int = 0  # attention layers of the checkpoint's MTP head (0: no head); they hold KV when MTP runs
 
     @property
     def conv_reads(self) -> int:
@@ -90,6 +110,23 @@ def _layer_kinds(cfg: dict) -> list[str]:
         f"cannot find the layer pattern of model_type {mtype!r}: give a NemotronH, Granite-4-H, Falcon-H1, Zamba2, "
         "Jamba, Qwen3-Next, Qwen3.5 or Mamba2 model (layers_block_type, layer_types or hybrid_override_pattern in config.json)"
     )
+
+
+def _mtp_attention_layers(cfg: dict) -> int:
+    """The attention layers of the config's MTP head, as vLLM's MTP model classes build it (0: no head).
+
+    Qwen3-Next (``num_nextn_predict_layers``) and Qwen3.5 (``mtp_num_hidden_layers``): each MTP
+    layer is a full-attention decoder layer. NemotronH: ``num_nextn_predict_layers`` steps of the
+    ``mtp_layers_block_type`` pattern (legacy ``mtp_hybrid_override_pattern``, ``*`` = attention);
+    transformers gives every NemotronH config that pattern, so the step count decides.
+    """
+    steps = int(cfg.get("num_nextn_predict_layers") or cfg.get("mtp_num_hidden_layers") or 0)
+    if cfg.get("model_type") != "nemotron_h":
+        return steps
+    kinds = cfg.get("mtp_layers_block_type")
+    if isinstance(kinds, list):
+        return steps * sum(k in _ATTENTION for k in kinds)
+    return steps * str(cfg.get("mtp_hybrid_override_pattern", "*")).count("*")
 
 
 def _text_config(cfg: dict) -> dict:
@@ -176,7 +213,59 @@ def model_shape(config_path: str | Path) -> ModelShape:
         ssm_dtype_bytes=_DTYPE_BYTES.get(ssm_dtype.replace("torch.", ""), 4),
         state_kind=kind,
         mamba_groups=groups,
+        mtp_attention_layers=_mtp_attention_layers(cfg),
     )
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """MTP speculative decoding on both P/D workers, as far as it changes what one request moves.
+
+    ``tokens``: vLLM's ``num_speculative_tokens``. ``all_state_blocks``: whether the installed
+    vLLM's NIXL connector moves all ``1 + tokens`` state blocks a request holds per linear layer
+    (vLLM 0.26: GPU counters) or only the running state's (vLLM 0.32 clips the draft slots:
+    :func:`connector.capabilities.moves_draft_state_blocks` asks the installed one).
+    """
+
+    tokens: int
+    all_state_blocks: bool
+
+    @property
+    def state_blocks(self) -> int:
+        return 1 + self.tokens if self.all_state_blocks else 1
+
+
+def draft_tokens(config_json: str) -> int:
+    """The draft tokens of a worker's ``--speculative-config`` JSON, where the plan models it: MTP (the model's own head)."""
+    try:
+        config = json.loads(config_json)
+    except json.JSONDecodeError as exc:
+        raise PlanError(f"--speculative-config is not JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise PlanError("--speculative-config must be a JSON object, e.g. {\"method\": \"mtp\", \"num_speculative_tokens\": 2}")
+    method, tokens = str(config.get("method", "")), config.get("num_speculative_tokens")
+    if method != "mtp" and not method.endswith("_mtp"):
+        raise PlanError(f"--speculative-config: the plan models MTP (the model's own head), not method {method!r}, whose draft layers are not in the config")
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
+        raise PlanError(f"--speculative-config: num_speculative_tokens must be a positive integer, not {tokens!r}")
+    return tokens
+
+
+def layer_slots(layers: int, other_kinds: tuple[int, ...]) -> int:
+    """The layer slots vLLM's hybrid KV-cache manager gives ``layers`` layers of one kind beside ``other_kinds``.
+
+    ``vllm/v1/core/kv_cache_utils.py::_get_kv_cache_groups_uniform_page_size``: every group
+    holds the same number of layers, the fewest of any kind (the most, when that is under 1.5x
+    the fewest), and the last group of a kind is padded to it. Its NIXL connector moves a
+    padding slot's state as a layer's (measured with MTP, where the head's attention layer
+    makes groups of 2: 3 Mamba2/GDN layers moved 4 states, GPU and CPU). A kind alone, or one
+    whose count is a multiple of the group size, has no padding.
+    """
+    counts = [n for n in (layers, *other_kinds) if n > 0]
+    if layers == 0 or len(counts) == 1:
+        return layers
+    group = min(counts) if max(counts) >= 1.5 * min(counts) else max(counts)
+    return math.ceil(layers / group) * group
 
 
 @dataclass(frozen=True)
@@ -186,8 +275,11 @@ class TransferPlan:
     prompt_tokens: int
     transferred_tokens: int
     blocks: int
-    conv_bytes_per_mamba_layer: int
-    ssm_bytes_per_mamba_layer: int
+    mamba_layers_moved: int  # vLLM's layer slots (padding included), per state block
+    attention_layers_moved: int  # the same, MTP head's layers included when it runs
+    state_blocks_per_mamba_layer: int  # 1, or 1 + draft tokens where vLLM moves the draft slots
+    conv_bytes_per_mamba_layer: int  # one state block's
+    ssm_bytes_per_mamba_layer: int  # one state block's
     kv_bytes_per_attention_layer: int
     total_bytes: int
     bytes_per_decode_rank: int
@@ -228,12 +320,22 @@ def plan_transfer(
     decode_tp: int = 1,
     block_size: int = 128,
     bandwidth_gbps: float = 25.0,
+    speculation: Speculation | None = None,
 ) -> TransferPlan:
     """The plan for one request of ``prompt_tokens`` tokens; TP sizes must divide one another."""
     if max(prefill_tp, decode_tp) % min(prefill_tp, decode_tp):
         raise PlanError(
             f"TP sizes {prefill_tp} (prefill) and {decode_tp} (decode): one must divide the other, e.g. 2 and 4"
         )
+    if speculation and not shape.mtp_attention_layers:
+        raise PlanError("MTP speculation was given, but the model's config names no MTP head (num_nextn_predict_layers)")
+    drafts = speculation.tokens if speculation else 0
+    state_blocks = speculation.state_blocks if speculation else 1
+    attention = shape.attention_layers + (shape.mtp_attention_layers if speculation else 0)
+    mamba_moved = layer_slots(shape.mamba_layers, (attention,))
+    attention_moved = layer_slots(attention, (shape.mamba_layers,))
+    # Speculation lengthens Mamba2 and GDN conv states by a row per draft token (vLLM's mamba_utils); Mamba1 has no MTP.
+    conv_rows = shape.conv_rows + (drafts if shape.state_kind != "mamba1" else 0)
     # The prefill stops at N-1; the shortest prompts the decode worker computes alone: they move nothing.
     tokens = prompt_tokens - 1 if prompt_tokens > LOCAL_PROMPT_TOKENS else 0
     blocks = math.ceil(tokens / block_size)
@@ -254,22 +356,26 @@ def plan_transfer(
     if shape.state_kind == "mamba2" and groups % decode_tp:
         groups += decode_tp - groups
     per_group = shape.groups_state // max(shape.mamba_groups, 1)
-    conv_rank = (shape.d_inner + 2 * groups * per_group) // decode_tp * shape.conv_rows * shape.dtype_bytes
+    conv_rank = (shape.d_inner + 2 * groups * per_group) // decode_tp * conv_rows * shape.dtype_bytes
     ssm_rank = shape.mamba_heads // decode_tp * shape.mamba_head_dim * shape.state_size * shape.ssm_dtype_bytes
     kv_heads_rank = max(shape.kv_heads // decode_tp, 1)
     kv_rank = 2 * blocks * block_size * kv_heads_rank * shape.head_dim * shape.dtype_bytes
-    per_rank = shape.mamba_layers * (conv_rank + ssm_rank) + shape.attention_layers * kv_rank
+    per_rank = mamba_moved * state_blocks * (conv_rank + ssm_rank) + attention_moved * kv_rank
     if tokens < 1:
         conv_rank = ssm_rank = kv_rank = per_rank = 0
         sources = {}
     conv, ssm, kv = conv_rank * decode_tp, ssm_rank * decode_tp, kv_rank * decode_tp
     total = per_rank * decode_tp
-    # conv slices (x, B, C; Mamba1: x) + SSM per Mamba layer; one K+V page per block (adjacent blocks may go as one descriptor: fewer reads then)
-    per_source_reads = shape.mamba_layers * (shape.conv_reads + 1) + shape.attention_layers * blocks
+    # conv slices (x, B, C; Mamba1: x) + SSM per Mamba layer and state block; one K+V page per block
+    # (adjacent blocks may go as one descriptor: fewer reads then)
+    per_source_reads = mamba_moved * state_blocks * (shape.conv_reads + 1) + attention_moved * blocks
     return TransferPlan(
         prompt_tokens=prompt_tokens,
         transferred_tokens=tokens,
         blocks=blocks,
+        mamba_layers_moved=mamba_moved,
+        attention_layers_moved=attention_moved,
+        state_blocks_per_mamba_layer=state_blocks,
         conv_bytes_per_mamba_layer=conv,
         ssm_bytes_per_mamba_layer=ssm,
         kv_bytes_per_attention_layer=kv,

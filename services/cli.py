@@ -143,6 +143,18 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--bandwidth-gbps", type=checked(float, checks.positive), default=25.0, help="GB/s used for the time estimate"
     )
+    plan.add_argument(
+        "--speculative-config",
+        type=checked(str, checks.json_object),
+        help="the workers' MTP speculation, vLLM's JSON (e.g. {\"method\": \"mtp\", \"num_speculative_tokens\": 2})",
+    )
+    plan.add_argument(
+        "--vllm-moves-draft-state",
+        choices=["auto", "yes", "no"],
+        default="auto",
+        help="with --speculative-config: whether vLLM's NIXL connector moves the draft state blocks "
+        "(auto: ask the installed vLLM; 0.26 does, 0.32 does not)",
+    )
     plan.add_argument("--json", action="store_true", help="print JSON")
     return parser
 
@@ -201,14 +213,31 @@ def _ready_message(stack: Any, model_name: str) -> str:
     return "\n".join(lines)
 
 
+def _draft_state_moved(choice: str) -> bool:
+    """``--vllm-moves-draft-state``: the operator's answer, or the installed vLLM's."""
+    if choice != "auto":
+        return choice == "yes"
+    try:
+        from connector.capabilities import moves_draft_state_blocks
+
+        return moves_draft_state_blocks()
+    except ImportError as exc:
+        raise UsageError(
+            f"--speculative-config: cannot ask the installed vLLM whether its NIXL connector moves the draft state blocks ({exc}); "
+            "give --vllm-moves-draft-state yes (vLLM 0.26) or no (vLLM 0.32)"
+        ) from None
+
+
 def _run_plan(args: argparse.Namespace) -> int:
-    from connector.plan import LOCAL_PROMPT_TOKENS, PlanError, model_shape, plan_transfer
+    from connector.plan import LOCAL_PROMPT_TOKENS, PlanError, Speculation, draft_tokens, model_shape, plan_transfer
     from services.default_model import resolve_model
 
     try:
         shape = model_shape(resolve_model(args.model)[0])
+        drafts = draft_tokens(args.speculative_config) if args.speculative_config else 0
+        drafting = Speculation(drafts, _draft_state_moved(args.vllm_moves_draft_state)) if drafts else None
         plan = plan_transfer(
-            shape, args.prompt_tokens, args.prefill_tp, args.decode_tp, args.block_size, args.bandwidth_gbps
+            shape, args.prompt_tokens, args.prefill_tp, args.decode_tp, args.block_size, args.bandwidth_gbps, drafting
         )
     except PlanError as exc:
         raise UsageError(str(exc)) from None
@@ -216,10 +245,13 @@ def _run_plan(args: argparse.Namespace) -> int:
         print(json.dumps({"model": shape.__dict__, "plan": plan.to_json()}))
         return 0
     rows = [
-        ("mamba / attention layers", f"{shape.mamba_layers} / {shape.attention_layers}"),
+        ("mamba / attention layers", f"{shape.mamba_layers} / {shape.attention_layers}"
+         + (f" + {shape.mtp_attention_layers} MTP" if drafting else "")),  # fmt: skip
+        ("layer slots moved (vLLM's padding)", f"{plan.mamba_layers_moved} / {plan.attention_layers_moved}"),
         ("tokens moved (N-1)", f"{plan.transferred_tokens} in {plan.blocks} block(s) of {args.block_size}"),
-        ("conv state per Mamba layer (x, B, C)", f"{plan.conv_bytes_per_mamba_layer:,} B"),
-        ("SSM state per Mamba layer", f"{plan.ssm_bytes_per_mamba_layer:,} B"),
+        ("state blocks per Mamba layer", str(plan.state_blocks_per_mamba_layer)),
+        ("conv state per Mamba layer (x, B, C)", f"{plan.conv_bytes_per_mamba_layer:,} B per block"),
+        ("SSM state per Mamba layer", f"{plan.ssm_bytes_per_mamba_layer:,} B per block"),
         ("KV per attention layer", f"{plan.kv_bytes_per_attention_layer:,} B"),
         ("total per request", f"{plan.total_bytes:,} B"),
         ("per decode rank", f"{plan.bytes_per_decode_rank:,} B from {plan.prefill_ranks_per_decode_rank} prefill rank(s)"),

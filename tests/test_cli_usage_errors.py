@@ -62,6 +62,11 @@ def cases(p: Paths, taken_port: int) -> dict[str, Case]:
         "plan-block-size-zero": Case(["plan", "--block-size", "0"], ("--block-size",)),
         "plan-bandwidth-zero": Case(["plan", "--bandwidth-gbps", "0"], ("--bandwidth-gbps", "more than 0")),
         "plan-not-a-number": Case(["plan", "--prompt-tokens", "many"], ("--prompt-tokens", "'many'")),
+        "plan-speculation-not-json": Case(["plan", "--speculative-config", "{nope"], ("--speculative-config", "not JSON")),
+        "plan-speculation-eagle": Case(["plan", "--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}',
+                                        "--vllm-moves-draft-state", "no"], ("--speculative-config", "not method 'eagle'")),  # fmt: skip
+        "plan-speculation-no-head": Case(["plan", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}',
+                                          "--vllm-moves-draft-state", "no"], ("no MTP head",)),  # fmt: skip
         # workers
         "worker-tp-zero": Case(["decode", "--tensor-parallel-size", "0", "--dry-run"], ("--tensor-parallel-size 0",)),
         "worker-side-channel-port-zero": Case(

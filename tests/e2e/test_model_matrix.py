@@ -22,7 +22,8 @@ import time
 
 import pytest
 
-from connector.plan import LOCAL_PROMPT_TOKENS, attention_block_size, model_shape
+from connector.capabilities import moves_draft_state_blocks
+from connector.plan import LOCAL_PROMPT_TOKENS, Speculation, attention_block_size, draft_tokens, model_shape
 from deploy.gpu.gsm8k_gate import NEAR_TIE
 from deploy.gpu.model_matrix import one_prompt
 from deploy.gpu.pd_check import completion, metrics_of
@@ -119,7 +120,8 @@ def test_pd_with_mtp_equals_colocated_without_speculation(mtp_stack):
     block = attention_block_size(stack.log_path(decode.name).read_text(), shape)
     completion(urls["router"], name, "warm up the handshake", 4)
     drafts = metrics_of(decode.url, DRAFTS), metrics_of(decode.url, ACCEPTED)
-    rows = [one_prompt(urls, name, VOCAB, tokens, shape, block, 16, (1, 1)) for tokens in (3, block - 1, block, block + 1)]
+    drafting = Speculation(draft_tokens(MTP), moves_draft_state_blocks())
+    rows = [one_prompt(urls, name, VOCAB, tokens, shape, block, 16, (1, 1), drafting) for tokens in (3, block - 1, block, block + 1)]
     proposed, accepted = (metrics_of(decode.url, m) - before for m, before in zip((DRAFTS, ACCEPTED), drafts))
     for row in rows:
         print(f"[model matrix] {name} + MTP, block {block}: {row}")
@@ -129,3 +131,5 @@ def test_pd_with_mtp_equals_colocated_without_speculation(mtp_stack):
         assert _equal(row, FAMILIES[name].cpu_dtype), f"{name} + MTP: {row}"
         # The state crossed NIXL, once, cleanly: not recomputed on the decode worker after a refused handshake.
         assert (row["transfers"], row["failed_transfers"], row["fallbacks"]) == (1, 0, 0), f"{name} + MTP: {row}"
+        # The MTP head's KV, vLLM's padding slot, the longer conv states (connector.plan.Speculation).
+        assert row["bytes"] == row["planned_bytes"], f"{name} + MTP: {row}"
