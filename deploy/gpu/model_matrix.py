@@ -54,7 +54,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from connector.capabilities import moves_draft_state_blocks  # noqa: E402
-from connector.plan import PlanError, Speculation, attention_block_size, draft_tokens, model_shape, plan_transfer  # noqa: E402
+from connector.plan import PlanError, Speculation, attention_block_size, draft_tokens, model_shape, plan_transfer, registered_shape  # noqa: E402
 from deploy.gpu.gsm8k_gate import NEAR_TIE, device_name, versions  # noqa: E402
 from deploy.gpu.pd_check import cli, compare, completion, cudagraph_rows, metrics_of  # noqa: E402
 from services.common.logs import error_lines  # noqa: E402
@@ -172,7 +172,9 @@ def run_family(name: str, procs: dict, urls: dict[str, str], model_dir: Path, ou
         for _ in range(2):  # first requests compile and handshake
             completion(urls["router"], name, prompt_ids(300, vocab, start=5), 4)
             completion(urls["decode"], name, prompt_ids(300, vocab, start=5), 4)
-        block = attention_block_size((out / f"{name}-decode.log").read_text(errors="replace"), shape, tp=args.decode_tp)
+        log = (out / f"{name}-decode.log").read_text(errors="replace")
+        shape = registered_shape(log, shape, tp=args.decode_tp)  # the SSM dtype the decode worker's vLLM chose
+        block = attention_block_size(log, shape, tp=args.decode_tp)
         result["attention_block_size"] = block
         result["decode_row"] = decode_row(urls, name, vocab, out / f"{name}-decode.log")
         lengths = sorted({*args.prompt_tokens, block - 1, block, block + 1} & set(range(1, MAX_MODEL_LEN - args.max_tokens)))

@@ -110,12 +110,11 @@ def run_worker(role: Role, settings: WorkerSettings) -> int:
     if (taken := _side_channel_in_use(spec)) is not None:
         log.error("cannot start vLLM: %s; give each worker on a host its own --side-channel-port", taken)
         return 2
-    if role != "colocated":
-        try:
-            check_model(spec.model)
-        except IncompatibleWorkers as exc:
-            log.error("cannot start vLLM: %s", exc)
-            return 2
+    try:
+        check_model(spec.model, role, spec.device, speculates=spec.speculative_config is not None)
+    except IncompatibleWorkers as exc:
+        log.error("cannot start vLLM: %s", exc)
+        return 2
     if (spec := with_capabilities(spec, settings.decode_row_fix)) is None:
         return 2
     launch = build_launch(spec)

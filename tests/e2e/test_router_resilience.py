@@ -188,15 +188,17 @@ def _serving_decode(stack, decode_workers) -> int:
     return vllm_group(stack.workers("decode")[busy[0]].url)
 
 
-def _long_stream(stack) -> dict:
-    """A greedy request that is still generating when a test freezes or kills its decode worker.
+@pytest.fixture(scope="module")
+def long_stream(stack, colocated) -> tuple[dict, str]:
+    """A greedy request that is still generating when a test freezes or kills its decode worker, and the colocated text.
 
     Long and slowed by 20 logprobs per token. The frozen-worker test once used 400 tokens with 5
     logprobs: what vLLM had generated before the SIGSTOP sits in the sockets' buffers while the
     test finds the serving worker, and a clean-clone CI run saw that stream reach the client whole,
     text right, with no stall for the router to notice (no migration counted).
     """
-    return {"model": _model(stack), "prompt": "Once upon a time", "max_tokens": 2000, "logprobs": 20, "ignore_eos": True, "temperature": 0}
+    body = {"model": _model(stack), "prompt": "Once upon a time", "max_tokens": 2000, "logprobs": 20, "ignore_eos": True, "temperature": 0}
+    return body, colocated.post("/v1/completions", json=body).json()["choices"][0]["text"]
 
 
 def _text(events: list[str]) -> str:
@@ -204,7 +206,7 @@ def _text(events: list[str]) -> str:
     return "".join(c["text"] for e in events[:-1] for c in json.loads(e[6:])["choices"])
 
 
-def test_a_decode_worker_frozen_mid_stream_the_stream_goes_on_on_the_other_one_as_colocated(stack, colocated, decode_workers):
+def test_a_decode_worker_frozen_mid_stream_the_stream_goes_on_on_the_other_one_as_colocated(stack, long_stream, decode_workers):
     """SIGSTOP of the decode worker serving a stream: after the stall timeout the router carries it on elsewhere.
 
     Before: the client's stream hung until it gave up (and with a 45 s freeze, a pull of
@@ -212,8 +214,7 @@ def test_a_decode_worker_frozen_mid_stream_the_stream_goes_on_on_the_other_one_a
     """
     settings = RouterSettings(prefill=[w.url for w in stack.workers("prefill")], decode=[w.url for w in stack.workers("decode")],
                               decode_stall_timeout_s=5, decode_policy="round_robin")  # fmt: skip
-    body = _long_stream(stack)
-    expected = colocated.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    body, expected = long_stream
     with serve_in_thread(create_app(settings), lifespan="on") as url:
         assert wait_for(lambda: len(httpx.get(url + "/health").json()["available"]["decode"]) == 2, timeout_s=60)
         for _ in range(4):  # each decode worker's first pull (a NIXL handshake) is done before the clock matters
@@ -235,9 +236,9 @@ def test_a_decode_worker_frozen_mid_stream_the_stream_goes_on_on_the_other_one_a
     assert wait_for(lambda: len(httpx.get(stack.url + "/health").json()["available"]["decode"]) == 2, timeout_s=60)
 
 
-def test_decode_worker_killed_mid_stream_the_stream_goes_on_on_the_survivor_as_colocated(stack, colocated, decode_workers):
+def test_decode_worker_killed_mid_stream_the_stream_goes_on_on_the_survivor_as_colocated(stack, long_stream, decode_workers):
     """kill -9 of the decode worker serving a stream (keep this test last: the worker stays dead)."""
-    body = _long_stream(stack)
+    body, expected = long_stream
     migrated = lambda: metric_sum(httpx.get(stack.url + "/metrics").text, 'hybrid_pd_migrations_total{outcome="ok"}')  # noqa: E731
     before = migrated()  # the chaos test's crashes migrate streams through this router too
     client, response, first, lines = _open_stream(stack.url, {**body, "stream": True}, events=3)
@@ -247,7 +248,7 @@ def test_decode_worker_killed_mid_stream_the_stream_goes_on_on_the_survivor_as_c
     rest = [line for line in lines if line.startswith("data: ")]
     client.close()
     assert time.monotonic() - started < 120, "the stream hung"
-    assert _text(first + rest) == colocated.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    assert _text(first + rest) == expected
     assert migrated() == before + 1
 
     # The first request after the kill can wait for vLLM's KV lease (~30 s here): the surviving
