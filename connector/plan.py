@@ -276,8 +276,8 @@ class TransferPlan:
     prompt_tokens: int
     transferred_tokens: int
     blocks: int
-    mamba_layers_moved: int  # vLLM's layer slots (padding included), per state block
-    attention_layers_moved: int  # the same, MTP head's layers included when it runs
+    mamba_layers_moved: int  # vLLM's layer slots of the Mamba/GDN layers, its grouping's padding included
+    attention_layers_moved: int  # the same for attention layers, the MTP head's included when it runs
     state_blocks_per_mamba_layer: int  # 1, or 1 + draft tokens where vLLM moves the draft slots
     conv_bytes_per_mamba_layer: int  # one state block's
     ssm_bytes_per_mamba_layer: int  # one state block's
