@@ -343,6 +343,22 @@ def gdn_prefill_args(spec: WorkerSpec) -> list[str]:
     return ["--gdn-prefill-backend", "triton"] if "gdn_prefill_backend" in {f.name for f in fields(EngineArgs)} else []
 
 
+def language_model_only_args(spec: WorkerSpec) -> list[str]:
+    """P/D workers of a multimodal checkpoint (Qwen3.5) serve its language half: ``--language-model-only``.
+
+    The hand-off moves the hybrid's state and attention KV, not a vision encoder's output, and
+    the decode worker recomputes the last prompt token from that state: an image in the prompt
+    is ground no P/D check here has covered. Text is what was verified; vLLM answers a request
+    with an image 400. The tower is then not built either (memory, start time).
+    """
+    if spec.role == "colocated":
+        return []
+    try:
+        return ["--language-model-only"] if model_shape(spec.model).multimodal else []
+    except PlanError:  # no readable config here: vLLM reports the model path itself
+        return []
+
+
 def build_launch(spec: WorkerSpec) -> Launch:
     """The vLLM OpenAI server command and environment for ``spec``.
 
@@ -371,7 +387,7 @@ def build_launch(spec: WorkerSpec) -> Launch:
         argv += ["--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
     if spec.speculative_config is not None:
         argv += ["--speculative-config", spec.speculative_config]
-    argv += gdn_prefill_args(spec) + decode_scheduling_args(spec) + timeline_args(spec) + list(spec.vllm_args) + capability_args(spec)
+    argv += gdn_prefill_args(spec) + language_model_only_args(spec) + decode_scheduling_args(spec) + timeline_args(spec) + list(spec.vllm_args) + capability_args(spec)
     env = {
         **state_layout_env(spec),
         **side_channel_env(spec),

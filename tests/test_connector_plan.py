@@ -80,7 +80,7 @@ def _vllm_state_numel(family, tp: int, drafts: int = 0) -> tuple[int, int]:
 
     from vllm.model_executor.models.registry import ModelRegistry
 
-    cfg = family.config()
+    cfg = family.config().get_text_config()
     if family.name == "qwen3_5":  # vllm's qwen3_5.py imports torchvision, which the CPU venv lacks: call what it calls
         from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
 
@@ -138,7 +138,7 @@ def _expected_layers(cfg) -> tuple[int, int]:
 @pytest.mark.parametrize("name", FAMILY_NAMES)
 def test_family_layer_counts_and_reads(name, tmp_path):
     family, shape = _family_config(tmp_path, name)
-    assert (shape.mamba_layers, shape.attention_layers) == _expected_layers(family.config())
+    assert (shape.mamba_layers, shape.attention_layers) == _expected_layers(family.config().get_text_config())
     plan = plan_transfer(shape, 300, block_size=128)  # 299 tokens: 3 blocks
     conv_reads = 1 if family.state == "mamba1" else 3
     assert plan.max_reads_per_decode_rank == shape.mamba_layers * (conv_reads + 1) + shape.attention_layers * 3
@@ -196,11 +196,12 @@ def test_heterogeneous_tp_bytes_equal_what_vllm_moved_on_two_gpus(name, block, t
 def test_qwen35_multimodal_config_is_read_from_its_text_config(tmp_path):
     from services.models.families import FAMILIES
 
-    text = FAMILIES["qwen3_5"].config().to_dict()
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
-                                                      "text_config": text}))  # fmt: skip
+    config = FAMILIES["qwen3_5"].config()
+    (tmp_path / "config.json").write_text(config.to_json_string())
     shape = model_shape(tmp_path)
-    assert (shape.state_kind, shape.mamba_layers, shape.attention_layers) == ("gdn", 3, 1)
+    assert (shape.state_kind, shape.mamba_layers, shape.attention_layers, shape.multimodal) == ("gdn", 3, 1, True)
+    (tmp_path / "config.json").write_text(config.get_text_config().to_json_string())
+    assert not model_shape(tmp_path).multimodal
 
 
 def test_the_ssm_dtype_is_the_one_vllm_registered_not_the_configs(tmp_path):
@@ -218,6 +219,30 @@ def test_the_ssm_dtype_is_the_one_vllm_registered_not_the_configs(tmp_path):
         registered_shape(line.replace("262144", "262150"), shape)
     with pytest.raises(PlanError, match="no NIXL registration"):
         registered_shape("INFO a colocated server's log", shape)
+
+
+def test_a_float32_checkpoint_runs_in_the_dtype_vllm_registered(tmp_path):
+    """The line vLLM 0.26's NIXL worker logged on an H100 for the published-shape Qwen3.5 saved in float32 and
+    served with vLLM's ``--dtype auto``, which downcasts it to bf16: 2-byte conv state and KV, 272-token blocks.
+    Read from the config (4 bytes) the plan said 4,554,752 bytes for a 127-token prompt and the block 136
+    tokens; vLLM moved 4,407,296 (docs/gpu-runs/2026-11-25-h100-qwen35.json)."""
+    from services.models.families import FAMILIES
+
+    config = FAMILIES["qwen3_5"].config("published").to_dict()
+    config["text_config"]["dtype"] = "float32"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    shape = model_shape(tmp_path)
+    assert (shape.dtype_bytes, shape.ssm_dtype_bytes) == (4, 4)
+    line = ("(EngineCore pid=2476) INFO 11-25 11:33:09 [base_worker.py:1233] Hybrid SSM registration: num_blocks=1445, logical_num_blocks=1445, "
+            "ratio=1, num_regions=1, num_descs=1445, mamba_ssm_size=(49152, 1048576), block_len_per_layer={1114112}")  # fmt: skip
+    seen = registered_shape(line, shape)
+    block = attention_block_size(line, seen)
+    assert (seen.dtype_bytes, seen.ssm_dtype_bytes, block) == (2, 2, 272)
+    assert plan_transfer(seen, 127, block_size=block).total_bytes == 4_407_296
+    with_drafts = line.replace("(49152,", "(81920,")  # 2 draft tokens: 5 conv rows instead of 3
+    assert registered_shape(with_drafts, shape, drafts=2).dtype_bytes == 2
+    with pytest.raises(PlanError, match="registered conv state"):
+        registered_shape(with_drafts, shape)  # 81,920 bytes are no whole dtype over 3 rows
 
 
 def test_attention_block_size_is_read_from_the_page_vllm_registered_with_nixl(tmp_path):

@@ -27,7 +27,7 @@ def test_configs_are_tiny_and_keep_a_hybrid_pattern(name, tmp_path):
     from connector.plan import model_shape
 
     cfg = FAMILIES[name].config()
-    assert (cfg.hidden_size, cfg.vocab_size) == (128, 512)
+    assert (cfg.get_text_config().hidden_size, cfg.get_text_config().vocab_size) == (128, 512)
     (tmp_path / "config.json").write_text(cfg.to_json_string())
     shape = model_shape(tmp_path)
     assert shape.mamba_layers >= 2 and shape.attention_layers >= 1
@@ -48,7 +48,7 @@ def test_qwen35_cannot_load_in_the_cpu_venv_as_recorded():
     from vllm.model_executor.models.registry import ModelRegistry
 
     with pytest.raises(ModuleNotFoundError, match=FAMILIES["qwen3_5"].cpu_expected_error):
-        ModelRegistry._try_load_model_cls("Qwen3_5ForCausalLM") or __import__("vllm.model_executor.models.qwen3_5")
+        ModelRegistry._try_load_model_cls(FAMILIES["qwen3_5"].architecture) or __import__("vllm.model_executor.models.qwen3_5")
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
@@ -58,7 +58,7 @@ def test_published_scale_keeps_the_published_hidden_size_and_the_tiny_layer_patt
 
     family = FAMILIES[name]
     published = family.config("published")
-    assert published.hidden_size == int(re.search(r"hidden (\d+)", family.published).group(1))
+    assert published.get_text_config().hidden_size == int(re.search(r"hidden (\d+)", family.published).group(1))
     shapes = []
     for scale, cfg in (("tiny", family.config()), ("published", published)):
         (tmp_path / scale).mkdir()
@@ -108,6 +108,27 @@ def test_an_mtp_head_is_written_under_the_names_vllms_qwen3_next_mtp_loads(tmp_p
     assert not weights["mtp.norm.weight"].any()  # Qwen3-Next's norms scale by 1 + w: zero is the identity
     with pytest.raises(ValueError, match="no MTP head"):
         build("falcon_h1", tmp_path / "f", mtp=True)
+
+
+def test_qwen35_is_built_as_the_published_multimodal_checkpoint_with_its_head_in_the_language_half(tmp_path):
+    """As Qwen3.5 ships: Qwen3_5ForConditionalGeneration, the hybrid as text_config, a vision tower, the weight
+    names vLLM's Qwen3-VL mapper reads; the MTP head (``mtp.*``, what vLLM's Qwen3_5MTP loads) counted in text_config."""
+    from safetensors.torch import load_file
+
+    from connector.plan import model_shape
+
+    out = build("qwen3_5", tmp_path / "q", mtp=True)
+    config = json.loads((out / "config.json").read_text())
+    assert (config["architectures"], config["model_type"], config["vision_config"]["out_hidden_size"]) == (
+        ["Qwen3_5ForConditionalGeneration"], "qwen3_5", config["text_config"]["hidden_size"])
+    assert config["text_config"]["mtp_num_hidden_layers"] == 1 and "mtp_num_hidden_layers" not in config
+    weights = load_file(out / "model.safetensors")
+    assert {k.split(".")[0] + "." + k.split(".")[1] for k in weights} == {"model.language_model", "model.visual", "lm_head.weight", "mtp.layers", "mtp.fc", "mtp.norm", "mtp.pre_fc_norm_hidden", "mtp.pre_fc_norm_embedding"}
+    layer = config["text_config"]["layer_types"].index("full_attention")
+    main = {k.removeprefix(f"model.language_model.layers.{layer}."): v.shape for k, v in weights.items() if k.startswith(f"model.language_model.layers.{layer}.")}
+    assert {k.removeprefix("mtp.layers.0."): v.shape for k, v in weights.items() if k.startswith("mtp.layers.0.")} == main
+    shape = model_shape(out)
+    assert (shape.multimodal, shape.state_kind, shape.mamba_layers, shape.attention_layers, shape.mtp_attention_layers) == (True, "gdn", 3, 1, 1)
 
 
 def test_an_mtp_head_is_written_under_the_names_vllms_nemotron_h_mtp_loads(tmp_path):

@@ -43,6 +43,12 @@ def test_with_speculation_the_bytes_are_checked_too():
     assert verdict({"prompts": [CLEAN], "decode_row": FULL_ROW, "speculative_config": '{"method":"mtp"}'}) == "PASS"
 
 
+def test_a_multimodal_checkpoints_image_request_must_be_refused():
+    """Its P/D workers serve the text half: an image answered 200 was dropped or went through an unchecked hand-off."""
+    for status, expected in ((400, "PASS"), (200, "FAIL"), (500, "FAIL")):
+        assert verdict({"prompts": [CLEAN], "decode_row": FULL_ROW, "image_request": {"status": status}}) == expected
+
+
 def test_no_full_decode_row_or_no_prompts_fails():
     assert verdict({"prompts": [CLEAN], "decode_row": {"one_full_1_token_step": False}}) == "FAIL"
     assert verdict({"error": "RuntimeError: decode did not start"}) == "FAIL"

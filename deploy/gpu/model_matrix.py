@@ -65,6 +65,7 @@ XFERS, FAILED, BYTES = "vllm:nixl_xfer_time_seconds_count", "vllm:nixl_num_faile
 XFER_SECONDS, FALLBACKS = "vllm:nixl_xfer_time_seconds_sum", "hybrid_pd_fallbacks_total"
 DRAFTS, ACCEPTED = "vllm:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_accepted_tokens_total"
 MAX_MODEL_LEN = 4096
+ONE_PIXEL_PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8DwHwAFBQIAX8jx0gAAAABJRU5ErkJggg=="
 
 
 def prompt_ids(tokens: int, vocab: int, start: int = 7) -> list[int]:
@@ -143,8 +144,21 @@ def counters_settled(decode_url: str, transfers_before: float, transfer_planned:
         last = now
 
 
+def image_request(router: str, name: str) -> dict:
+    """A chat request with an image through the router of a multimodal checkpoint's P/D workers, which serve its text half.
+
+    Refused with an OpenAI-style 4xx is the expected answer (``connector.launch.language_model_only_args``):
+    a 200 would mean the image was dropped or went through a hand-off nothing here has checked.
+    """
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + ONE_PIXEL_PNG}}
+    body = {"model": name, "max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "text", "text": "what is it"}, image]}]}
+    r = httpx.post(router + "/v1/chat/completions", json=body, timeout=60)
+    return {"status": r.status_code, "body": r.text[:300]}
+
+
 def verdict(result: dict) -> str:
-    """PASS: decode row FULL, every prompt the planned clean transfers of the planned bytes, tokens equal up to bf16 near-ties."""
+    """PASS: decode row FULL, every prompt the planned clean transfers of the planned bytes, tokens equal up to bf16 near-ties;
+    a multimodal checkpoint's image request refused with a 4xx."""
     prompts = result.get("prompts", [])
     if not prompts:
         return "FAIL"
@@ -153,7 +167,8 @@ def verdict(result: dict) -> str:
         for p in prompts
     )
     ties = all(p["first_divergence"] is None or (p["top2_gap_at_divergence"] or 0) <= NEAR_TIE for p in prompts)
-    return "PASS" if clean and ties and result.get("decode_row", {}).get("one_full_1_token_step") else "FAIL"
+    image_refused = 400 <= result.get("image_request", {"status": 400})["status"] < 500
+    return "PASS" if clean and ties and image_refused and result.get("decode_row", {}).get("one_full_1_token_step") else "FAIL"
 
 
 def run_family(name: str, procs: dict, urls: dict[str, str], model_dir: Path, out: Path, args, results: dict, lock: threading.Lock) -> None:
@@ -165,7 +180,8 @@ def run_family(name: str, procs: dict, urls: dict[str, str], model_dir: Path, ou
                 raise RuntimeError(f"{role} did not start")
         result["ready_s"] = round(time.monotonic() - started, 1)
         shape = model_shape(model_dir)
-        vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+        config = json.loads((model_dir / "config.json").read_text())
+        vocab = config.get("text_config", config)["vocab_size"]
         tp = (args.prefill_tp, args.decode_tp)
         drafting = Speculation(draft_tokens(args.speculative_config), moves_draft_state_blocks()) if args.speculative_config else None
         result["plan_per_request_1000_tokens"] = plan_transfer(shape, 1000, prefill_tp=tp[0], decode_tp=tp[1], speculation=drafting).to_json()
@@ -173,13 +189,15 @@ def run_family(name: str, procs: dict, urls: dict[str, str], model_dir: Path, ou
             completion(urls["router"], name, prompt_ids(300, vocab, start=5), 4)
             completion(urls["decode"], name, prompt_ids(300, vocab, start=5), 4)
         log = (out / f"{name}-decode.log").read_text(errors="replace")
-        shape = registered_shape(log, shape, tp=args.decode_tp)  # the SSM dtype the decode worker's vLLM chose
+        shape = registered_shape(log, shape, tp=args.decode_tp, drafts=drafting.tokens if drafting else 0)  # the dtypes its vLLM runs
         block = attention_block_size(log, shape, tp=args.decode_tp)
         result["attention_block_size"] = block
         result["decode_row"] = decode_row(urls, name, vocab, out / f"{name}-decode.log")
         lengths = sorted({*args.prompt_tokens, block - 1, block, block + 1} & set(range(1, MAX_MODEL_LEN - args.max_tokens)))
         drafts_before = [metrics_of(urls["decode"], n) for n in (DRAFTS, ACCEPTED)]
         result["prompts"] = [one_prompt(urls, name, vocab, n, shape, block, args.max_tokens, tp, drafting) for n in lengths]
+        if shape.multimodal:
+            result["image_request"] = image_request(urls["router"], name)
         if args.speculative_config:
             drafts, accepted = (metrics_of(urls["decode"], n) - b for n, b in zip((DRAFTS, ACCEPTED), drafts_before, strict=True))
             result["speculative_config"] = args.speculative_config
@@ -201,14 +219,17 @@ def start_family(name: str, model_dir: Path, out: Path, args) -> tuple[dict, dic
     """The family's prefill, decode worker and router; with ``--speculative-config`` both workers speculate and a colocated server, on the decode GPUs, does not."""
     roles = [("prefill", args.prefill_gpus), ("decode", args.decode_gpus)] + [("colocated", args.decode_gpus)] * bool(args.speculative_config)
     ports = {role: free_port() for role in [r for r, _ in roles] + ["router"]}
-    common = ["--model", str(model_dir), "--served-model-name", name, "--device", args.device, "--max-model-len", str(MAX_MODEL_LEN),
+    common = ["--model", str(model_dir), "--served-model-name", name, "--device", args.device, "--dtype", args.dtype, "--max-model-len", str(MAX_MODEL_LEN),
               "--max-num-seqs", "16", "--gpu-memory-utilization", str(args.gpu_memory_utilization),
               "--kv-cache-memory-bytes", str(int(args.kv_cache_gib * (1 << 30))), "--vllm-arg=--cudagraph-metrics"]  # fmt: skip
     speculation = ["--speculative-config", args.speculative_config] if args.speculative_config else []
+    # The builder's multimodal checkpoints carry a vision tower's weights but no image processor, and
+    # their tokenizer has no vision tokens: a colocated server of one serves text (as the P/D workers do).
+    text_only = ["--vllm-arg=--language-model-only"] if model_shape(model_dir).multimodal else []
     procs = {
         role: spawn(
             cli(role, *common, "--port", str(ports[role]), "--tensor-parallel-size", str(len(gpus)),
-                *(["--side-channel-port", str(free_port())] if role != "colocated" else []),
+                *(["--side-channel-port", str(free_port())] if role != "colocated" else text_only),
                 *(speculation if role != "colocated" or args.baseline_speculates else [])),  # fmt: skip
             env={"CUDA_VISIBLE_DEVICES": ",".join(gpus)} if args.device == "cuda" else None,
             log=out / f"{name}-{role}.log",
@@ -237,6 +258,7 @@ def main() -> int:
     ap.add_argument("--prefill-gpus", type=gpu_list, default=["0"], help="CUDA devices of each family's prefill worker; its TP size is their count")
     ap.add_argument("--decode-gpus", type=gpu_list, default=["0"], help="CUDA devices of each family's decode worker; its TP size is their count")
     ap.add_argument("--speculative-config", help="both P/D workers speculate (vLLM's JSON); families with an MTP head only; baseline: colocated without")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="the checkpoints' and workers' dtype (vLLM's auto would run a float32 checkpoint in bf16 on a GPU): float32 tells kernel rounding from lost state")
     ap.add_argument("--baseline-speculates", action="store_true", help="with --speculative-config: the colocated baseline speculates the same way (P/D alone under test)")
     args = ap.parse_args()
     args.prefill_tp, args.decode_tp = len(args.prefill_gpus), len(args.decode_gpus)
@@ -250,12 +272,13 @@ def main() -> int:
         ap.error(f"--speculative-config: {without_head} have no MTP head here")
     results: dict = {"_run": {"device": device_name(), "versions": versions(), "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
                               "prefill_gpus": args.prefill_gpus, "decode_gpus": args.decode_gpus,
-                              "speculative_config": args.speculative_config, "baseline_speculates": args.baseline_speculates}}  # fmt: skip
+                              "speculative_config": args.speculative_config, "baseline_speculates": args.baseline_speculates, "dtype": args.dtype}}  # fmt: skip
     started = time.monotonic()
     mtp = bool(args.speculative_config)
-    models_dir = args.models / "mtp" if mtp else args.models
+    models_dir = args.models / ("mtp" if mtp else "") / ("" if args.dtype == "bfloat16" else args.dtype)
     models = {
-        n: models_dir / n if (models_dir / n / "config.json").exists() else build(n, models_dir / n, scale="published", mtp=mtp) for n in names
+        n: models_dir / n if (models_dir / n / "config.json").exists() else build(n, models_dir / n, scale="published", mtp=mtp, dtype=args.dtype)
+        for n in names
     }
     print(f"checkpoints built in {time.monotonic() - started:.0f} s", flush=True)
     servers = {n: start_family(n, models[n], args.out, args) for n in names}

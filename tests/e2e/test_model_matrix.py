@@ -72,7 +72,7 @@ def test_pd_equals_colocated_with_one_transfer_of_the_planned_bytes(family_stack
     name, stack = family_stack
     urls = {"router": stack.url, "decode": stack.workers("decode")[0].url}
     log = stack.log_path(stack.workers("decode")[0].name).read_text()
-    shape = registered_shape(log, model_shape(stack.config.model))  # the SSM dtype vLLM chose on this CPU
+    shape = registered_shape(log, model_shape(stack.config.model))  # the state dtypes vLLM chose on this CPU
     block = attention_block_size(log, shape)
     # The first NIXL handshake can outlast vLLM's side-channel timeout on a busy 2-core machine.
     completion(urls["router"], name, "warm up the handshake", 4)
@@ -121,7 +121,7 @@ def test_pd_with_mtp_equals_colocated_without_speculation(mtp_stack):
     decode = stack.workers("decode")[0]
     urls = {"router": stack.url, "decode": decode.url, "colocated": colocated}
     log = stack.log_path(decode.name).read_text()
-    shape = registered_shape(log, model_shape(stack.config.model))
+    shape = registered_shape(log, model_shape(stack.config.model), drafts=draft_tokens(MTP))
     block = attention_block_size(log, shape)
     completion(urls["router"], name, "warm up the handshake", 4)
     drafts = metrics_of(decode.url, DRAFTS), metrics_of(decode.url, ACCEPTED)
