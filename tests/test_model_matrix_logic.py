@@ -4,7 +4,7 @@ import pytest
 
 from deploy.gpu.gsm8k_gate import NEAR_TIE
 from connector.plan import ModelShape, plan_transfer
-from deploy.gpu.model_matrix import log_errors, one_full_decode_row, prompt_ids, verdict
+from deploy.gpu.model_matrix import log_errors, one_full_decode_row, prompt_ids, verdict, with_text_config
 
 CLEAN = {"transfers": 1, "planned_transfers": 1, "failed_transfers": 0, "fallbacks": 0, "bytes": 4096, "planned_bytes": 4096,
          "first_divergence": None, "top2_gap_at_divergence": None}  # fmt: skip
@@ -80,3 +80,14 @@ def test_a_servers_error_lines_are_the_last_that_say_why_not_vllms_ulimit_warnin
     assert log_errors(log) == ["Traceback (most recent call last):", "RuntimeError: NIXL compatibility hash mismatch"]
     assert log_errors(log, limit=1) == ["RuntimeError: NIXL compatibility hash mismatch"]
     assert log_errors(tmp_path / "never-written.log") == []
+
+
+def test_a_text_config_diagnostic_lands_in_the_language_config(tmp_path):
+    """--text-config changes what the engine reads: a multimodal checkpoint's text_config, else the config itself."""
+    import json
+
+    for config, language in (({"text_config": {"num_experts_per_tok": 2}, "vision_config": {}}, lambda c: c["text_config"]),
+                             ({"num_experts_per_tok": 2}, lambda c: c)):  # fmt: skip
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        with_text_config(tmp_path, {"num_experts_per_tok": 8})
+        assert language(json.loads((tmp_path / "config.json").read_text()))["num_experts_per_tok"] == 8

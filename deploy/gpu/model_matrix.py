@@ -243,6 +243,15 @@ def start_family(name: str, model_dir: Path, out: Path, args) -> tuple[dict, dic
     return procs, urls
 
 
+def with_text_config(model_dir: Path, changes: dict) -> Path:
+    """``model_dir`` with ``changes`` merged into its language config (a multimodal checkpoint's ``text_config``)."""
+    if changes:
+        config = json.loads((model_dir / "config.json").read_text())
+        config.get("text_config", config).update(changes)
+        (model_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return model_dir
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
@@ -259,6 +268,8 @@ def main() -> int:
     ap.add_argument("--decode-gpus", type=gpu_list, default=["0"], help="CUDA devices of each family's decode worker; its TP size is their count")
     ap.add_argument("--speculative-config", help="both P/D workers speculate (vLLM's JSON); families with an MTP head only; baseline: colocated without")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="the checkpoints' and workers' dtype (vLLM's auto would run a float32 checkpoint in bf16 on a GPU): float32 tells kernel rounding from lost state")
+    ap.add_argument("--text-config", type=json.loads, default={},
+                    help="JSON merged into each checkpoint's language config after it is built, a diagnostic (e.g. '{\"num_experts_per_tok\": 8}': every token to every expert)")
     ap.add_argument("--baseline-speculates", action="store_true", help="with --speculative-config: the colocated baseline speculates the same way (P/D alone under test)")
     args = ap.parse_args()
     args.prefill_tp, args.decode_tp = len(args.prefill_gpus), len(args.decode_gpus)
@@ -272,12 +283,13 @@ def main() -> int:
         ap.error(f"--speculative-config: {without_head} have no MTP head here")
     results: dict = {"_run": {"device": device_name(), "versions": versions(), "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
                               "prefill_gpus": args.prefill_gpus, "decode_gpus": args.decode_gpus,
-                              "speculative_config": args.speculative_config, "baseline_speculates": args.baseline_speculates, "dtype": args.dtype}}  # fmt: skip
+                              "speculative_config": args.speculative_config, "baseline_speculates": args.baseline_speculates, "dtype": args.dtype, "text_config": args.text_config}}  # fmt: skip
     started = time.monotonic()
     mtp = bool(args.speculative_config)
-    models_dir = args.models / ("mtp" if mtp else "") / ("" if args.dtype == "bfloat16" else args.dtype)
+    variant = json.dumps(args.text_config, sort_keys=True) if args.text_config else ""
+    models_dir = args.models / ("mtp" if mtp else "") / ("" if args.dtype == "bfloat16" else args.dtype) / variant.strip("{}").replace('"', "").replace(" ", "")
     models = {
-        n: models_dir / n if (models_dir / n / "config.json").exists() else build(n, models_dir / n, scale="published", mtp=mtp, dtype=args.dtype)
+        n: models_dir / n if (models_dir / n / "config.json").exists() else with_text_config(build(n, models_dir / n, scale="published", mtp=mtp, dtype=args.dtype), args.text_config)
         for n in names
     }
     print(f"checkpoints built in {time.monotonic() - started:.0f} s", flush=True)
