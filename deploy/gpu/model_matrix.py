@@ -59,7 +59,7 @@ from deploy.gpu.gsm8k_gate import NEAR_TIE, device_name, versions  # noqa: E402
 from deploy.gpu.pd_check import cli, compare, completion, cudagraph_rows, metrics_of  # noqa: E402
 from services.common.logs import error_lines  # noqa: E402
 from services.common.processes import free_port, spawn, stop_group, wait_http_ok  # noqa: E402
-from services.models.families import FAMILIES, build  # noqa: E402
+from services.models.families import FAMILIES, build, language_config  # noqa: E402
 
 XFERS, FAILED, BYTES = "vllm:nixl_xfer_time_seconds_count", "vllm:nixl_num_failed_transfers_total", "vllm:nixl_bytes_transferred_sum"
 XFER_SECONDS, FALLBACKS = "vllm:nixl_xfer_time_seconds_sum", "hybrid_pd_fallbacks_total"
@@ -181,7 +181,7 @@ def run_family(name: str, procs: dict, urls: dict[str, str], model_dir: Path, ou
         result["ready_s"] = round(time.monotonic() - started, 1)
         shape = model_shape(model_dir)
         config = json.loads((model_dir / "config.json").read_text())
-        vocab = config.get("text_config", config)["vocab_size"]
+        vocab = language_config(config)["vocab_size"]
         tp = (args.prefill_tp, args.decode_tp)
         drafting = Speculation(draft_tokens(args.speculative_config), moves_draft_state_blocks()) if args.speculative_config else None
         result["plan_per_request_1000_tokens"] = plan_transfer(shape, 1000, prefill_tp=tp[0], decode_tp=tp[1], speculation=drafting).to_json()
@@ -247,7 +247,7 @@ def with_text_config(model_dir: Path, changes: dict) -> Path:
     """``model_dir`` with ``changes`` merged into its language config (a multimodal checkpoint's ``text_config``)."""
     if changes:
         config = json.loads((model_dir / "config.json").read_text())
-        config.get("text_config", config).update(changes)
+        language_config(config).update(changes)
         (model_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return model_dir
 
@@ -286,8 +286,8 @@ def main() -> int:
                               "speculative_config": args.speculative_config, "baseline_speculates": args.baseline_speculates, "dtype": args.dtype, "text_config": args.text_config}}  # fmt: skip
     started = time.monotonic()
     mtp = bool(args.speculative_config)
-    variant = json.dumps(args.text_config, sort_keys=True) if args.text_config else ""
-    models_dir = args.models / ("mtp" if mtp else "") / ("" if args.dtype == "bfloat16" else args.dtype) / variant.strip("{}").replace('"', "").replace(" ", "")
+    variant = ",".join(f"{k}={v}" for k, v in sorted(args.text_config.items()))  # one directory per diagnostic
+    models_dir = args.models / ("mtp" if mtp else "") / ("" if args.dtype == "bfloat16" else args.dtype) / variant
     models = {
         n: models_dir / n if (models_dir / n / "config.json").exists() else with_text_config(build(n, models_dir / n, scale="published", mtp=mtp, dtype=args.dtype), args.text_config)
         for n in names

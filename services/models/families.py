@@ -274,6 +274,12 @@ def build(name: str, out_dir: str | Path, seed: int = 0, scale: Scale = "tiny", 
     return out
 
 
+def language_config(config: dict) -> dict:
+    """The part of a checkpoint's ``config.json`` that configures its language model, to read or
+    change in place: a multimodal checkpoint's ``text_config`` (Qwen3.5), else the config itself."""
+    return config.get("text_config", config)
+
+
 def add_mtp_head(out: Path, head: MtpHead, seed: int) -> None:
     """Add a random MTP ``head`` (:class:`MtpHead`: names, shapes, config) to the checkpoint in ``out``.
 
@@ -290,7 +296,7 @@ def add_mtp_head(out: Path, head: MtpHead, seed: int) -> None:
     if not weights_file.exists():
         raise ValueError(f"{out}: one model.safetensors expected (an MTP head is added to unsharded checkpoints only)")
     config = json.loads((out / "config.json").read_text())
-    text = config.get("text_config", config)  # a multimodal checkpoint's head belongs to its language half
+    text = language_config(config)  # a multimodal checkpoint's head belongs to its language half
     weights = load_file(weights_file)
     prefix = f"{head.layers_prefix}{text[head.pattern_key].index(head.layer_type)}."
     generator = torch.Generator().manual_seed(seed + 1)
