@@ -95,10 +95,10 @@ def test_fuzzed_requests_never_get_a_5xx(fuzz_client, stack, path, fields, keep_
         assert "error" in r.json()
 
 
-def _open_stream(url: str, body: dict, events: int) -> tuple[httpx.Client, httpx.Response, list[str], Iterator[str]]:
+def _open_stream(url: str, body: dict, events: int, headers: dict | None = None) -> tuple[httpx.Client, httpx.Response, list[str], Iterator[str]]:
     """Open a stream and read its first ``events`` events: (client, response, those events, the rest of its lines)."""
     client = httpx.Client(base_url=url, timeout=120)
-    response = client.send(client.build_request("POST", "/v1/completions", json=body), stream=True)
+    response = client.send(client.build_request("POST", "/v1/completions", json=body, headers=headers), stream=True)
     lines = response.iter_lines()
     first: list[str] = []
     while len(first) < events:
@@ -188,6 +188,25 @@ def _serving_decode(stack, decode_workers) -> int:
     return vllm_group(stack.workers("decode")[busy[0]].url)
 
 
+def _routed_decode(stack, request_id: str) -> int:
+    """The process group of the decode worker's vLLM that the stack's router sent ``request_id`` to.
+
+    Read from the router's own log ("[id] routed ... decode=URL", written when the decode leg
+    answers), not from token counters: in a make test run (2026-11-25) the worker found by its
+    counter was killed 10 s into the 2000-token stream, which then reached the client whole
+    with no migration counted; the kill had come too late to test anything.
+    """
+    mark = f"[{request_id}] routed "
+    urls: list[str] = []
+
+    def logged() -> bool:
+        urls[:] = [line.split(" decode=")[1].split()[0] for line in stack.log_path("router").read_text().splitlines() if mark in line]
+        return bool(urls)
+
+    assert wait_for(logged), f"the router logged no decode worker for {request_id}"
+    return vllm_group(urls[0])
+
+
 @pytest.fixture(scope="module")
 def long_stream(stack, colocated) -> tuple[dict, str]:
     """A greedy request that is still generating when a test freezes or kills its decode worker, and the colocated text.
@@ -236,13 +255,14 @@ def test_a_decode_worker_frozen_mid_stream_the_stream_goes_on_on_the_other_one_a
     assert wait_for(lambda: len(httpx.get(stack.url + "/health").json()["available"]["decode"]) == 2, timeout_s=60)
 
 
-def test_decode_worker_killed_mid_stream_the_stream_goes_on_on_the_survivor_as_colocated(stack, long_stream, decode_workers):
+def test_decode_worker_killed_mid_stream_the_stream_goes_on_on_the_survivor_as_colocated(stack, long_stream):
     """kill -9 of the decode worker serving a stream (keep this test last: the worker stays dead)."""
     body, expected = long_stream
     migrated = lambda: metric_sum(httpx.get(stack.url + "/metrics").text, 'hybrid_pd_migrations_total{outcome="ok"}')  # noqa: E731
     before = migrated()  # the chaos test's crashes migrate streams through this router too
-    client, response, first, lines = _open_stream(stack.url, {**body, "stream": True}, events=3)
-    os.killpg(_serving_decode(stack, decode_workers), signal.SIGKILL)
+    request_id = f"kill-{os.getpid()}-{time.monotonic_ns()}"
+    client, response, first, lines = _open_stream(stack.url, {**body, "stream": True}, events=3, headers={"x-request-id": request_id})
+    os.killpg(_routed_decode(stack, request_id), signal.SIGKILL)
 
     started = time.monotonic()
     rest = [line for line in lines if line.startswith("data: ")]
