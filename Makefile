@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[cpu,model,test,bench]'
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton
-	$(PY) -c "import vllm, nixl, transformers, services.cli"
+	$(PY) -c "import vllm, nixl, transformers, hybrid_pd.cli"
 	touch $(STAMP)
 
 demo: install

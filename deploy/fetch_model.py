@@ -3,7 +3,7 @@
 The ``model`` service of the compose files runs this once, then the prefill and
 decode workers start from the same files. ``MODEL`` is one of:
 
-- empty: the embedded default model, shipped with the package (``services/models/hybrid-pd-tiny``):
+- empty: the embedded default model, shipped with the package (``hybrid_pd/models/hybrid-pd-tiny``):
   checked;
 - an absolute path (a directory of ``MODEL_DIR``, mounted at ``/models``): checked;
 - a Hugging Face id (``org/name``): downloaded into ``$HF_HOME`` with ``$HF_TOKEN``.
@@ -29,7 +29,7 @@ def prepare(model: str, token: str | None = None) -> Path:
     Raises SystemExit with a message a person can act on when a local path holds no model.
     """
     if not model:
-        from services.default_model import ensure_default_model
+        from hybrid_pd.default_model import ensure_default_model
 
         return ensure_default_model()
     if model.startswith("/"):

@@ -23,11 +23,10 @@ COPY deploy/locks/router.txt deploy/locks/router.txt
 RUN pip install --no-deps -r deploy/locks/router.txt
 
 COPY pyproject.toml README.md ./
-COPY connector connector
-COPY services services
+COPY hybrid_pd hybrid_pd
 # The project without extras: the router's own dependencies, nothing of the workers'.
 RUN pip install --no-deps . \
- && python -c "import services.cli, services.router.app" \
+ && python -c "import hybrid_pd.cli, hybrid_pd.router.app" \
  && ! python -c "import vllm" 2>/dev/null \
  && ! python -c "import torch" 2>/dev/null
 

@@ -38,11 +38,10 @@ COPY deploy/locks/cpu.txt deploy/locks/cpu.txt
 RUN pip install --no-deps --extra-index-url "$TORCH_CPU_INDEX" -r deploy/locks/cpu.txt
 
 COPY pyproject.toml README.md ./
-COPY connector connector
-COPY services services
+COPY hybrid_pd hybrid_pd
 COPY deploy/fetch_model.py deploy/fetch_model.py
 RUN pip install --no-deps . \
- && python -c "import vllm, nixl, transformers, services.cli"
+ && python -c "import vllm, nixl, transformers, hybrid_pd.cli"
 
 USER hybrid
 CMD ["hybrid-pd", "--help"]

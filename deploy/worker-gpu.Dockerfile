@@ -2,7 +2,7 @@
 # Build from the repository root:  docker build -f deploy/worker-gpu.Dockerfile -t hybrid-pd-worker-gpu .
 # The host needs an NVIDIA driver for CUDA 13 and the NVIDIA Container Toolkit.
 # vLLM 0.26.0 (deploy/locks/gpu.txt, torch 2.11.0): the vLLM verified on GPUs (README, "Which vLLM").
-# Workers probe it at start (connector/capabilities.py) and refuse a vLLM that lacks a P/D piece.
+# Workers probe it at start (hybrid_pd/connector/vllm/capabilities.py) and refuse a vLLM that lacks a P/D piece.
 FROM nvidia/cuda:13.0.2-runtime-ubuntu24.04
 
 ARG APP_UID=10001
@@ -34,11 +34,10 @@ COPY deploy/locks/gpu.txt deploy/locks/gpu.txt
 RUN pip install --no-deps -r deploy/locks/gpu.txt
 
 COPY pyproject.toml README.md ./
-COPY connector connector
-COPY services services
+COPY hybrid_pd hybrid_pd
 COPY deploy/fetch_model.py deploy/fetch_model.py
 RUN pip install --no-deps . \
- && python -c "import vllm, nixl, transformers, services.cli"
+ && python -c "import vllm, nixl, transformers, hybrid_pd.cli"
 
 USER hybrid
 CMD ["hybrid-pd", "--help"]

@@ -10,8 +10,8 @@ from typing import Any
 import httpx
 import pytest
 
-from services import default_model
-from services.cli import main
+from hybrid_pd import default_model
+from hybrid_pd.cli import main
 from tests.deploy_support import container_environment
 from tests.router_support import Workers, asgi_client, router_app
 

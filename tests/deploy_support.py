@@ -13,10 +13,10 @@ from contextlib import contextmanager
 
 import pytest
 
-from services import default_model
-from services import stack as stack_module
-from services.cli import main
-from services.stack import Service, Stack
+from hybrid_pd import default_model
+from hybrid_pd import stack as stack_module
+from hybrid_pd.cli import main
+from hybrid_pd.stack import Service, Stack
 from tests import deploy_compose as dc
 
 

@@ -7,8 +7,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import httpx
 
-from services.router.app import RouterApp, create_app
-from services.router.settings import RouterSettings
+from hybrid_pd.router.app import RouterApp, create_app
+from hybrid_pd.router.settings import RouterSettings
 
 PREFILL = "http://prefill.test:1"
 DECODE = "http://decode.test:2"

@@ -1,40 +1,91 @@
-"""The import rules of docs/architecture.md, checked: the router runs without vLLM, torch, NIXL or the worker.
+"""The import rules of docs/architecture.md, checked.
 
-The router image installs the project without extras (deploy/router.Dockerfile); a router
-module that imported any of these would work here, where everything is installed, and fail
-there. Each router module is imported in a fresh interpreter in which those packages
-cannot be found.
+- The router runs without vLLM, torch, NIXL, transformers, the worker or the connector's
+  worker-side parts: the router image installs the project without extras
+  (deploy/router.Dockerfile), so a router module that imported any of these would work here,
+  where everything is installed, and fail there. Each router module is imported in a fresh
+  interpreter in which they cannot be found.
+- The connector's rules (what the worker service runs) import nothing of vLLM at module level
+  and nothing of the hooks vLLM loads; the hooks import of the rules' side only the contract
+  both share and the trace: neither side depends on the other.
 """
 
 from __future__ import annotations
 
+import ast
 import pkgutil
 import subprocess
 import sys
+from pathlib import Path
 
-import services.router
+import hybrid_pd.connector
+import hybrid_pd.connector.vllm
+import hybrid_pd.router
 
-FORBIDDEN = ("vllm", "torch", "nixl", "transformers", "services.worker")
+CONNECTOR = Path(hybrid_pd.connector.__file__).parent
+ENGINE_SIDE = ("vllm", "torch", "nixl", "transformers")
+# What the router may use of the connector: the pairing rules, the contract they rest on, and the trace.
+ROUTER_MAY_IMPORT = ("hybrid_pd.connector.compat", "hybrid_pd.connector.contract", "hybrid_pd.connector.trace")
 
-_BLOCKER = f"""
+
+def _blocker(forbidden: tuple[str, ...], allowed: tuple[str, ...] = ()) -> str:
+    return f"""
 import importlib.abc, sys
 class Block(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if any(name == f or name.startswith(f + ".") for f in {FORBIDDEN!r}):
-            raise ModuleNotFoundError(f"{{name}} is not installed in the router image")
+        if any(name == a or name.startswith(a + ".") for a in {allowed!r}):
+            return None
+        if any(name == f or name.startswith(f + ".") for f in {forbidden!r}):
+            raise ModuleNotFoundError(f"{{name}} is not installed in this image")
 sys.meta_path.insert(0, Block())
 """
 
-ROUTER_MODULES = sorted(f"services.router.{m.name}" for m in pkgutil.iter_modules(services.router.__path__))
+
+def _import_all(modules: list[str], forbidden: tuple[str, ...], allowed: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    code = _blocker(forbidden, allowed) + "".join(f"import {module}\n" for module in modules)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
+ROUTER_MODULES = sorted(f"hybrid_pd.router.{m.name}" for m in pkgutil.iter_modules(hybrid_pd.router.__path__))
+RULE_MODULES = sorted(
+    f"hybrid_pd.connector.{m.name}" for m in pkgutil.iter_modules(hybrid_pd.connector.__path__) if not m.ispkg
+) + ["hybrid_pd.connector.trace.http", "hybrid_pd.connector.trace.timeline"]
+HOOK_FILES = sorted(p for p in (CONNECTOR / "vllm").glob("*.py") if p.name != "__init__.py")
 
 
 def test_every_router_module_imports_without_the_worker_side():
-    imports = "".join(f"import {module}\n" for module in ROUTER_MODULES)
-    done = subprocess.run([sys.executable, "-c", _BLOCKER + imports], capture_output=True, text=True, timeout=120)
+    forbidden = (*ENGINE_SIDE, "hybrid_pd.worker", "hybrid_pd.connector")
+    done = _import_all(ROUTER_MODULES, forbidden, allowed=("hybrid_pd.connector", *ROUTER_MAY_IMPORT))
     assert done.returncode == 0, done.stderr[-2000:]
     assert len(ROUTER_MODULES) > 10  # the package was found
 
 
+def test_the_connector_rules_import_neither_vllm_nor_the_hooks():
+    done = _import_all(RULE_MODULES, (*ENGINE_SIDE, "hybrid_pd.connector.vllm"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert {"hybrid_pd.connector.launch", "hybrid_pd.connector.plan", "hybrid_pd.connector.contract"} <= set(RULE_MODULES)
+
+
+def _hybrid_pd_imports(path: Path) -> set[str]:
+    """Every ``hybrid_pd`` module ``path`` imports, at module level or inside a function."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("hybrid_pd"):
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names if a.name.startswith("hybrid_pd"))
+    return names
+
+
+def test_the_hooks_import_only_the_contract_the_trace_and_each_other():
+    allowed = ("hybrid_pd.connector.contract", "hybrid_pd.connector.trace", "hybrid_pd.connector.vllm")
+    found = {p.name: sorted(m for m in _hybrid_pd_imports(p) if not m.startswith(allowed)) for p in HOOK_FILES}
+    assert {name: bad for name, bad in found.items() if bad} == {}
+    assert "nixl_connector.py" in found
+
+
 def test_the_blocker_blocks():
-    done = subprocess.run([sys.executable, "-c", _BLOCKER + "import services.worker.run"], capture_output=True, text=True, timeout=120)
-    assert done.returncode != 0 and "not installed in the router image" in done.stderr
+    done = _import_all(["hybrid_pd.worker.run"], (*ENGINE_SIDE, "hybrid_pd.worker"))
+    assert done.returncode != 0 and "not installed in this image" in done.stderr
+    done = _import_all(["hybrid_pd.connector.launch"], ("hybrid_pd.connector.plan",))
+    assert done.returncode != 0 and "not installed in this image" in done.stderr

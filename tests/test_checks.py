@@ -1,4 +1,4 @@
-"""The value checks behind every setting's validation accept what users really pass (services/common/checks.py).
+"""The value checks behind every setting's validation accept what users really pass (hybrid_pd/common/checks.py).
 
 tests/test_cli_usage_errors.py shows the refusals through the CLI; this file shows that the
 same checks let the ordinary values through, so validation refuses nothing that works.
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from services.common import checks
-from services.common.arg_types import checked
+from hybrid_pd.common import checks
+from hybrid_pd.common.arg_types import checked
 
 
 @pytest.mark.parametrize("model", ["", "gpt2", "ibm-granite/granite-4.0-h-tiny", "nvidia/NVIDIA-Nemotron-Nano-9B-v2"])

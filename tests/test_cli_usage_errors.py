@@ -1,6 +1,6 @@
 """Bad input to any ``hybrid-pd`` subcommand is answered like the router answers a bad request.
 
-Each case runs ``python -m services.cli ...`` as a user would, with one bad flag or
+Each case runs ``python -m hybrid_pd.cli ...`` as a user would, with one bad flag or
 environment variable, and checks: exit code 2, no Python traceback, and a last line of
 stderr that names the problem (the flag or variable, and what is wrong with it); any other
 line is argparse's usage. Nothing starts: the worker cases use ``--dry-run`` or are refused
@@ -138,7 +138,7 @@ class Result:
 def _run(case: Case) -> Result:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HYBRID_PD_")} | case.env
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", *case.argv],
+        [sys.executable, "-m", "hybrid_pd.cli", *case.argv],
         cwd=ROOT,
         env=env,
         stdin=subprocess.DEVNULL,

@@ -2,7 +2,7 @@
 
 import pytest
 
-from connector.compat import NO_SPECULATION, IncompatibleWorkers, WorkerIdentity, check_pair, check_worker
+from hybrid_pd.connector.compat import NO_SPECULATION, IncompatibleWorkers, WorkerIdentity, check_pair, check_worker
 
 
 def _pair(**diff):

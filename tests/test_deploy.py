@@ -30,11 +30,11 @@ from packaging.utils import canonicalize_name
 sys.path.insert(0, str(Path(__file__).parent))
 import deploy_compose as dc  # noqa: E402
 
-from connector.capabilities import VERIFIED_ON  # noqa: E402
-from services import default_model  # noqa: E402
-from services.cli import build_parser  # noqa: E402
-from services.common.cli_flags import given  # noqa: E402
-from services.worker.settings import WorkerSettings  # noqa: E402
+from hybrid_pd import default_model  # noqa: E402
+from hybrid_pd.cli import build_parser  # noqa: E402
+from hybrid_pd.common.cli_flags import given  # noqa: E402
+from hybrid_pd.connector.vllm.capabilities import VERIFIED_ON  # noqa: E402
+from hybrid_pd.worker.settings import WorkerSettings  # noqa: E402
 from tests.deploy_support import (  # noqa: E402
     MASKED_ENV,
     RESOLVED_BY_THE_WORKER,
@@ -778,9 +778,9 @@ def test_interpolation_raises_for_missing_required_variables():
 
 def test_dockerignore_matching_follows_docker(tmp_path: Path):
     ignore = tmp_path / ".dockerignore"
-    ignore.write_text("*\n!services/\n**/__pycache__\n!keep.txt\n")
-    assert not dc.dockerignored("services/cli.py", ignore)
-    assert dc.dockerignored("services/__pycache__/cli.pyc", ignore)
+    ignore.write_text("*\n!hybrid_pd/\n**/__pycache__\n!keep.txt\n")
+    assert not dc.dockerignored("hybrid_pd/cli.py", ignore)
+    assert dc.dockerignored("hybrid_pd/__pycache__/cli.pyc", ignore)
     assert dc.dockerignored("secrets/.env", ignore)
     assert not dc.dockerignored("keep.txt", ignore)
 

@@ -19,10 +19,11 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from benchmarks.fake_upstream import serve_in_thread
-from services.eval.cli import add_eval_parser, main, run_eval
-from services.eval.data import load_problems, read_jsonl
-from services.eval.prompts import STOP, build_prompt, fewshot_prefix
+from hybrid_pd.bench.router.fake_upstream import serve_in_thread
+from hybrid_pd.eval.cli import add_eval_parser, main, run_eval
+from hybrid_pd.eval.data import read_jsonl
+from hybrid_pd.eval.datasets import load_problems
+from hybrid_pd.eval.prompts import STOP, build_prompt, fewshot_prefix
 
 _LAST_QUESTION = re.compile(r"Question: ((?:(?!Question: ).)*)\nAnswer:$", re.S)
 
@@ -334,7 +335,7 @@ def test_export_jsonl_writes_the_problems_in_gsm8k_format_for_other_tools(tmp_pa
     assert test == [p.to_json() for p in asked]
     assert train == [p.to_json() for p in load_problems("synthetic", "train", seed=3)]
     # GSM8K's own rows: the same two keys, a worked answer that ends in "#### N".
-    with resources.as_file(resources.files("services.eval") / "data" / "gsm8k" / "test.jsonl") as vendored:
+    with resources.as_file(resources.files("hybrid_pd.eval") / "data" / "gsm8k" / "test.jsonl") as vendored:
         gsm8k_keys = set(_rows(vendored)[0])
     assert all(set(row) == gsm8k_keys == {"question", "answer"} for row in test + train)
     assert all(re.search(r"\n#### [\d,]+$", row["answer"]) for row in test + train)

@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from services.eval.client import Generation, base_url
-from services.eval.data import Problem
-from services.eval.progress import Progress
-from services.eval.report import (
+from hybrid_pd.eval.client import Generation, base_url
+from hybrid_pd.eval.data import Problem
+from hybrid_pd.eval.progress import Progress
+from hybrid_pd.eval.report import (
     EXIT_ERRORS,
     EXIT_GATE,
     EXIT_OK,
@@ -21,7 +21,7 @@ from services.eval.report import (
     format_report,
     json_report,
 )
-from services.eval.stats import paired_difference, wilson
+from hybrid_pd.eval.stats import paired_difference, wilson
 
 PROBLEMS = [Problem(f"What is {i} + 1?", f"{i} + 1 = <<{i}+1={i + 1}>>{i + 1}\n#### {i + 1}") for i in range(20)]
 INFO = RunInfo(task="gsm8k", dataset="test", shots=0, max_tokens=16, stop=("Question:",))

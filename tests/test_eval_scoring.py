@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from services.eval.data import Problem, load_gsm8k, load_problems
-from services.eval.prompts import STOP, build_prompt, fewshot_prefix, question_text, truncate_at_stop
-from services.eval.scoring import INVALID, extract_flexible, extract_strict, is_match, normalize, score
+from hybrid_pd.eval.data import Problem, load_gsm8k
+from hybrid_pd.eval.datasets import load_problems
+from hybrid_pd.eval.prompts import STOP, build_prompt, fewshot_prefix, question_text, truncate_at_stop
+from hybrid_pd.eval.scoring import INVALID, extract_flexible, extract_strict, is_match, normalize, score
 
 REFERENCE = (
     "Janet sells 16 - 3 - 4 = <<16-3-4=9>>9 duck eggs a day.\nShe makes 9 * 2 = $<<9*2=18>>18 every day.\n#### 18"

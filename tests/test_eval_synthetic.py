@@ -7,9 +7,10 @@ from collections import Counter
 
 import pytest
 
-from services.eval import synthetic
-from services.eval.data import load_problems, read_jsonl
-from services.eval.scoring import score
+from hybrid_pd.eval import synthetic
+from hybrid_pd.eval.data import read_jsonl
+from hybrid_pd.eval.datasets import load_problems
+from hybrid_pd.eval.scoring import score
 
 _CALC = re.compile(r"<<([0-9+\-*/ ]+)=(-?\d+)>>(-?\d+)")
 

@@ -2,7 +2,7 @@
 
 import socket
 
-from services.common.processes import _ephemeral_ports, free_port
+from hybrid_pd.common.processes import _ephemeral_ports, free_port
 
 
 def test_ports_are_free_distinct_and_outside_the_ephemeral_range():

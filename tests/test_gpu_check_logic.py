@@ -1,15 +1,10 @@
-"""The parsing and comparison logic of deploy/gpu/pd_check.py (the GPU run itself needs an NVIDIA GPU)."""
+"""The parsing and comparison logic of hybrid_pd/bench/gpu/pd_check.py (the GPU run itself needs an NVIDIA GPU)."""
 
 import argparse
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
-_spec = importlib.util.spec_from_file_location("pd_check", Path(__file__).parents[1] / "deploy" / "gpu" / "pd_check.py")
-pd_check = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(pd_check)
+from hybrid_pd.bench.gpu import pd_check, perf_sweep
 
 
 def test_cudagraph_rows_reads_the_last_stats_table(tmp_path):
@@ -46,16 +41,7 @@ def test_compare_identical():
     assert pd_check.compare(same, same)["first_divergence"] is None
 
 
-def _perf_sweep():
-    spec = importlib.util.spec_from_file_location("perf_sweep", Path(__file__).parents[1] / "deploy" / "gpu" / "perf_sweep.py")
-    perf_sweep = importlib.util.module_from_spec(spec)
-    sys.modules["perf_sweep"] = perf_sweep  # its dataclasses look their module up
-    spec.loader.exec_module(perf_sweep)
-    return perf_sweep
-
-
 def test_sweep_plots_each_layout_from_its_summary(tmp_path):
-    perf_sweep = _perf_sweep()
     dist = {"count": 10, "mean": 5.0, "p50": 4.0, "p90": 6.0, "p99": 9.0}
     level = {"pd": {k: dist for k in ("ttft_ms", "itl_ms", "e2e_ms")}, "baseline": {k: dist for k in ("ttft_ms", "itl_ms", "e2e_ms")}}
     summary = {"input_len": 1000, "output_len": 64, "layouts": {"one-gpu": {"1": level, "8": level}, "two-gpu": {"1": level}}}
@@ -66,7 +52,6 @@ def test_sweep_plots_each_layout_from_its_summary(tmp_path):
 
 def test_sweep_starts_only_the_servers_its_layouts_route_to_on_their_gpus(tmp_path):
     """A two-GPU run of an 8B model has no room (nor use) for the one-GPU layout's decode worker."""
-    perf_sweep = _perf_sweep()
     args = argparse.Namespace(out=tmp_path, device="cuda", gpu_memory_utilization=0.3, kv_cache_gib=16)
     servers, routers = perf_sweep._servers(args, ["two-gpu"], tmp_path / "model", None)
     assert {name: s["gpu"] for name, s in servers.items()} == {"prefill": 0, "decode1": 1, "colocated0": 0, "colocated1": 1}
@@ -77,7 +62,6 @@ def test_sweep_starts_only_the_servers_its_layouts_route_to_on_their_gpus(tmp_pa
 
 
 def test_sweep_with_the_timeline_traces_the_pd_workers_and_keeps_each_levels_budget(tmp_path):
-    perf_sweep = _perf_sweep()
     args = argparse.Namespace(out=tmp_path, device="cuda", gpu_memory_utilization=0.2, kv_cache_gib=8)
     servers, _ = perf_sweep._servers(args, ["one-gpu"], tmp_path / "model", tmp_path / "timeline")
     traced = {name for name, s in servers.items() if str(tmp_path / "timeline") in s["argv"]}
@@ -89,7 +73,6 @@ def test_sweep_with_the_timeline_traces_the_pd_workers_and_keeps_each_levels_bud
 
 
 def test_sweep_variants_add_their_own_workers_and_router_beside_the_unchanged_pd(tmp_path):
-    perf_sweep = _perf_sweep()
     variants = perf_sweep.parse_variants(
         ["await:decode=--pull-await-us=1000", "sync:decode=--vllm-arg=--no-async-scheduling", "sync:prefill=--vllm-arg=--no-async-scheduling"]
     )
@@ -112,12 +95,12 @@ def test_sweep_variants_add_their_own_workers_and_router_beside_the_unchanged_pd
 @pytest.mark.parametrize("text", ["await", "await:decode", "await:other=--x", ":decode=--x", "await:prefill=--x"])
 def test_a_variant_without_its_decode_worker_or_malformed_is_refused(text):
     with pytest.raises(ValueError, match="--variant"):
-        _perf_sweep().parse_variants([text])
+        perf_sweep.parse_variants([text])
 
 
 def test_a_variants_level_keeps_the_unchanged_pds_budget_beside_its_own(tmp_path):
     budget = {"group": "g", "requests": 2, "segments": {}, "ttft": {}, "per_request": [{}, {}]}
     level = {"load": {"kind": "concurrency", "value": 1}, **budget}
-    summary = _perf_sweep()._timeline_summary({"timeline": {"levels": [level], "baseline_levels": [level]}})
+    summary = perf_sweep._timeline_summary({"timeline": {"levels": [level], "baseline_levels": [level]}})
     assert set(summary) == {"timeline", "baseline_timeline"}
     assert "per_request" not in summary["baseline_timeline"]

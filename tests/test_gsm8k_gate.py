@@ -1,14 +1,6 @@
-"""The logic of deploy/gpu/gsm8k_gate.py that decides PASS/FAIL (the GPU run itself needs an NVIDIA GPU)."""
+"""The logic of hybrid_pd/bench/gpu/gsm8k_gate.py that decides PASS/FAIL (the GPU run itself needs an NVIDIA GPU)."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
-_path = Path(__file__).parents[1] / "deploy" / "gpu" / "gsm8k_gate.py"
-_spec = importlib.util.spec_from_file_location("gsm8k_gate", _path)
-gate = importlib.util.module_from_spec(_spec)
-sys.modules["gsm8k_gate"] = gate
-_spec.loader.exec_module(gate)
+from hybrid_pd.bench.gpu import gsm8k_gate as gate
 
 
 def _rerun(tokens, tops):
@@ -47,7 +39,7 @@ def test_verdict_needs_the_gate_and_every_disagreement_at_a_near_tie():
 
 
 def test_cudagraph_steps_are_summed_over_every_stats_table(tmp_path):
-    from deploy.gpu.pd_check import cudagraph_steps_by_mode
+    from hybrid_pd.bench.gpu.pd_check import cudagraph_steps_by_mode
 
     log = tmp_path / "decode.log"
     log.write_text(

@@ -26,10 +26,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from services.cli import build_parser
-from services.common import processes
-from services.common.cli_flags import given
-from services.worker.settings import WorkerSettings
+from hybrid_pd.cli import build_parser
+from hybrid_pd.common import processes
+from hybrid_pd.common.cli_flags import given
+from hybrid_pd.worker.settings import WorkerSettings
 from tests import deploy_compose as dc
 from tests.deploy_support import MASKED_ENV, RESOLVED_BY_THE_WORKER, make_demo_services, masked_argv
 

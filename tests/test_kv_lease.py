@@ -1,8 +1,8 @@
-"""The lease stamp and the decode side's verdict (connector/kv_lease.py), as pure functions."""
+"""The lease stamp and the decode side's verdict (hybrid_pd/connector/vllm/kv_lease.py), as pure functions."""
 
 from __future__ import annotations
 
-from connector.kv_lease import CLOCK_MARGIN_S, LEASE_EXPIRES_KEY, lease_expiry, pull_outlived_lease, stamp_lease
+from hybrid_pd.connector.vllm.kv_lease import CLOCK_MARGIN_S, LEASE_EXPIRES_KEY, lease_expiry, pull_outlived_lease, stamp_lease
 
 HANDOFF = {"do_remote_prefill": True, "remote_block_ids": [[2], [1]], "remote_engine_id": "e"}
 

@@ -1,7 +1,7 @@
 """The request rewriting of both legs (the usage merge: tests/test_router_relay.py)."""
 
-from connector.timeline import REQUEST_ID_PARAM
-from services.router.legs import PREFILL_KV_TRANSFER_PARAMS, decode_body, prefill_body
+from hybrid_pd.connector.trace.timeline import REQUEST_ID_PARAM
+from hybrid_pd.router.legs import PREFILL_KV_TRANSFER_PARAMS, decode_body, prefill_body
 
 
 def test_prefill_leg_is_one_token_not_streamed_and_asks_for_remote_decode():

@@ -1,4 +1,4 @@
-"""The model-matrix builders (services/models/families.py): registered architectures, real patterns, the embedded tokenizer."""
+"""The model-matrix builders (hybrid_pd/models/families.py): registered architectures, real patterns, the embedded tokenizer."""
 
 import json
 import re
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from services.models.families import FAMILIES, build
+from hybrid_pd.models.families import FAMILIES, build
 
 REGISTRY = Path(__import__("vllm").__file__).parent / "model_executor" / "models" / "registry.py"
 
@@ -24,7 +24,7 @@ def test_bamba_is_not_in_the_matrix_because_vllm_removed_it():
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_configs_are_tiny_and_keep_a_hybrid_pattern(name, tmp_path):
-    from connector.plan import model_shape
+    from hybrid_pd.connector.plan import model_shape
 
     cfg = FAMILIES[name].config()
     assert (cfg.get_text_config().hidden_size, cfg.get_text_config().vocab_size) == (128, 512)
@@ -54,7 +54,7 @@ def test_qwen35_cannot_load_in_the_cpu_venv_as_recorded():
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_published_scale_keeps_the_published_hidden_size_and_the_tiny_layer_pattern(name, tmp_path):
     """The GPU matrix's checkpoints: the hidden size ``published`` names, the same layers as the tiny build."""
-    from connector.plan import model_shape
+    from hybrid_pd.connector.plan import model_shape
 
     family = FAMILIES[name]
     published = family.config("published")
@@ -74,7 +74,7 @@ def test_full_scale_nemotron_h_is_the_published_8b_but_its_vocabulary(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from connector.plan import model_shape
+    from hybrid_pd.connector.plan import model_shape
 
     cfg = FAMILIES["nemotron_h"].config("full")
     with torch.device("meta"):
@@ -115,7 +115,7 @@ def test_qwen35_is_built_as_the_published_multimodal_checkpoint_with_its_head_in
     names vLLM's Qwen3-VL mapper reads; the MTP head (``mtp.*``, what vLLM's Qwen3_5MTP loads) counted in text_config."""
     from safetensors.torch import load_file
 
-    from connector.plan import model_shape
+    from hybrid_pd.connector.plan import model_shape
 
     out = build("qwen3_5", tmp_path / "q", mtp=True)
     config = json.loads((out / "config.json").read_text())

@@ -1,10 +1,10 @@
-"""The PASS/FAIL logic of deploy/gpu/model_matrix.py (the GPU run itself needs an NVIDIA GPU)."""
+"""The PASS/FAIL logic of hybrid_pd/bench/gpu/model_matrix.py (the GPU run itself needs an NVIDIA GPU)."""
 
 import pytest
 
-from deploy.gpu.gsm8k_gate import NEAR_TIE
-from connector.plan import ModelShape, plan_transfer
-from deploy.gpu.model_matrix import log_errors, one_full_decode_row, prompt_ids, verdict, with_text_config
+from hybrid_pd.bench.gpu.gsm8k_gate import NEAR_TIE
+from hybrid_pd.bench.gpu.model_matrix import log_errors, one_full_decode_row, prompt_ids, verdict, with_text_config
+from hybrid_pd.connector.plan import ModelShape, plan_transfer
 
 CLEAN = {"transfers": 1, "planned_transfers": 1, "failed_transfers": 0, "fallbacks": 0, "bytes": 4096, "planned_bytes": 4096,
          "first_divergence": None, "top2_gap_at_divergence": None}  # fmt: skip
@@ -26,7 +26,7 @@ def test_any_unclean_prompt_fails_the_family(broken):
 
 
 def test_heterogeneous_tp_expects_one_transfer_per_prefill_rank_a_decode_rank_reads():
-    """The earlier two-H200 run counted 2 per request in both directions (docs/gpu-runs/2026-11-23-h200x2-hetero-tp.json)."""
+    """The earlier two-H200 run counted 2 per request in both directions (hybrid_pd/bench/results/2026-11-23-h200x2-hetero-tp.json)."""
     shape = ModelShape(mamba_layers=2, attention_layers=1, d_inner=256, groups_state=64, conv_rows=3, mamba_heads=8,
                        mamba_head_dim=32, state_size=32, kv_heads=2, head_dim=32, dtype_bytes=2, ssm_dtype_bytes=4)  # fmt: skip
     counts = {tp: plan_transfer(shape, 300, prefill_tp=tp[0], decode_tp=tp[1]).transfers for tp in ((1, 1), (2, 1), (1, 2), (2, 2), (4, 2))}
@@ -37,7 +37,7 @@ def test_heterogeneous_tp_expects_one_transfer_per_prefill_rank_a_decode_rank_re
 
 
 def test_with_speculation_the_bytes_are_checked_too():
-    """The plan counts the MTP head's KV (connector.plan.Speculation): one layer's KV more than planned is a FAIL."""
+    """The plan counts the MTP head's KV (hybrid_pd.connector.plan.Speculation): one layer's KV more than planned is a FAIL."""
     mtp_bytes = {**CLEAN, "bytes": CLEAN["planned_bytes"] + 163_840}
     assert verdict({"prompts": [mtp_bytes], "decode_row": FULL_ROW, "speculative_config": '{"method":"mtp"}'}) == "FAIL"
     assert verdict({"prompts": [CLEAN], "decode_row": FULL_ROW, "speculative_config": '{"method":"mtp"}'}) == "PASS"

@@ -15,10 +15,10 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from services import default_model  # noqa: E402
-from services.eval import synthetic  # noqa: E402
-from services.eval.prompts import build_prompt, fewshot_prefix  # noqa: E402
-from services.models import train as training  # noqa: E402
+from hybrid_pd import default_model  # noqa: E402
+from hybrid_pd.eval import synthetic  # noqa: E402
+from hybrid_pd.eval.prompts import build_prompt, fewshot_prefix  # noqa: E402
+from hybrid_pd.models import train as training  # noqa: E402
 
 # A very small hybrid of the same kind: mamba, attention, mlp; heads and groups even.
 SMOKE_CONFIG = dict(

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from connector.nixl_merge import MAX_RUN, _Prepared, adjacent_runs, merge_indices
+from hybrid_pd.connector.vllm.nixl_merge import MAX_RUN, _Prepared, adjacent_runs, merge_indices
 
 
 def _page(base: int) -> list[list[int]]:
@@ -53,7 +53,7 @@ os.environ.update(UCX_TLS="tcp,self,sm", UCX_NET_DEVICES="lo")
 import numpy as np, torch
 merge = sys.argv[1] == "1"
 if merge:
-    from connector.nixl_merge import merge_adjacent_descriptors
+    from hybrid_pd.connector.vllm.nixl_merge import merge_adjacent_descriptors
     merge_adjacent_descriptors()
 from vllm.distributed.nixl_utils import NixlWrapper, nixl_agent_config
 

@@ -1,4 +1,4 @@
-"""NIXL's progress thread sleeps between polls once throttled (connector/nixl_progress.py).
+"""NIXL's progress thread sleeps between polls once throttled (hybrid_pd/connector/vllm/nixl_progress.py).
 
 Each case runs a real NIXL agent, created the way vLLM creates it, in a fresh
 process and reads that process's CPU time while the agent sits idle.
@@ -19,7 +19,7 @@ IDLE_S = 2.0
 _AGENT = """
 import os, sys, time
 os.environ.update(UCX_TLS="tcp,self,sm", UCX_NET_DEVICES="lo")
-from connector.nixl_progress import throttle_progress_thread
+from hybrid_pd.connector.vllm.nixl_progress import throttle_progress_thread
 if sys.argv[1] != "0":
     config_cls = throttle_progress_thread(int(sys.argv[1]))
     probe = config_cls()
@@ -48,7 +48,7 @@ def test_an_unthrottled_agent_spins_and_a_throttled_one_sleeps():
 
 
 def test_throttle_refuses_a_delay_that_would_spin():
-    from connector.nixl_progress import throttle_progress_thread
+    from hybrid_pd.connector.vllm.nixl_progress import throttle_progress_thread
 
     with pytest.raises(ValueError):
         throttle_progress_thread(0)

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from connector.nixl_trace import Descriptor, load_trace
+from hybrid_pd.connector.vllm.nixl_trace import Descriptor, load_trace
 
 D, P = 0x1000_0000, 0x7000_0000
 

@@ -1,6 +1,6 @@
 """Reading vLLM's Prometheus text."""
 
-from services.common.prom import metric_label, metric_sum
+from hybrid_pd.common.prom import metric_label, metric_sum
 
 TEXT = """# HELP vllm:num_requests_running Number of requests
 vllm:num_requests_running{engine="0",model_name="m"} 2.0

@@ -1,10 +1,10 @@
-"""Pulls awaited in the step that posted them (connector/pull_await.py): what is awaited and for how long."""
+"""Pulls awaited in the step that posted them (hybrid_pd/connector/vllm/pull_await.py): what is awaited and for how long."""
 
 from __future__ import annotations
 
 import itertools
 
-from connector.pull_await import await_transfers, posted_since
+from hybrid_pd.connector.vllm.pull_await import await_transfers, posted_since
 
 
 def test_posted_since_names_only_the_handles_this_step_added():

@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from benchmarks.fake_upstream import serve_in_thread
+from hybrid_pd.bench.router.fake_upstream import serve_in_thread
 from tests.router_support import Workers, asgi_client, router_app, scope
 
 

@@ -1,4 +1,4 @@
-"""vLLM's model-level paths through the router (services/router/aux_endpoints.py): which worker, what the client sees.
+"""vLLM's model-level paths through the router (hybrid_pd/router/aux_endpoints.py): which worker, what the client sees.
 
 Scripted workers stand in for vLLM here; tests/e2e/test_lm_eval.py runs a real client
 (lm-eval, default arguments) against real workers.
@@ -12,7 +12,7 @@ import json
 import httpx
 import pytest
 
-from services.router.app import RouterApp
+from hybrid_pd.router.app import RouterApp
 from tests.router_support import PREFILL, asgi_client, router_app
 
 DECODE_A = "http://decode-a.test:2"

@@ -13,8 +13,8 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from services.common.openai_errors import OpenAIError
-from services.router.disconnect import cancel_on_disconnect
+from hybrid_pd.common.openai_errors import OpenAIError
+from hybrid_pd.router.disconnect import cancel_on_disconnect
 from tests.router_support import KV, router_app, scope
 
 TOKEN = b'data: {"choices":[{"index":0,"text":" a"}]}\n\n'

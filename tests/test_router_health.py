@@ -14,8 +14,8 @@ import time
 import httpx
 from starlette.types import Receive, Scope, Send
 
-from benchmarks.fake_upstream import serve_in_thread
-from services.common.processes import free_port, spawn, stop_group
+from hybrid_pd.bench.router.fake_upstream import serve_in_thread
+from hybrid_pd.common.processes import free_port, spawn, stop_group
 
 
 class _StartingWorker:
@@ -47,7 +47,7 @@ def test_health_is_503_from_the_first_answer_until_a_decode_worker_has_answered_
     worker = _StartingWorker()
     with serve_in_thread(worker) as worker_url, httpx.Client(timeout=5) as client:
         port = free_port()
-        argv = [sys.executable, "-m", "services.cli", "router", "--port", str(port), "--decode", worker_url, "--health-interval-s", "0.2"]
+        argv = [sys.executable, "-m", "hybrid_pd.cli", "router", "--port", str(port), "--decode", worker_url, "--health-interval-s", "0.2"]
         router = spawn(argv, log=tmp_path / "router.log")
         try:
             health = f"http://127.0.0.1:{port}/health"

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from services.router.legs import LegEncoder, decode_body, prefill_body
+from hybrid_pd.router.legs import LegEncoder, decode_body, prefill_body
 
 KV = {"remote_block_ids": [[1, 2]], "remote_engine_id": "e1"}
 

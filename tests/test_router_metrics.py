@@ -9,11 +9,11 @@ from typing import get_args
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.router.metrics import GENERATION, MIGRATION_OUTCOMES, OUTCOMES, REFUSALS, ROUTES
-from services.router.pairing import Fallback
+from hybrid_pd.router.metrics import GENERATION, MIGRATION_OUTCOMES, OUTCOMES, REFUSALS, ROUTES
+from hybrid_pd.router.pairing import Fallback
 from tests.router_support import DECODE, PREFILL
 
-ROUTER = Path(__file__).resolve().parents[1] / "services" / "router"
+ROUTER = Path(__file__).resolve().parents[1] / "hybrid_pd" / "router"
 
 
 def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -1,4 +1,4 @@
-"""Mid-stream migration (services/router/migration.py): with scripted workers, then the pieces alone.
+"""Mid-stream migration (hybrid_pd/router/migration.py): with scripted workers, then the pieces alone.
 
 Two decode workers: the first breaks (or stalls) after two tokens, the second serves the
 continuation. The client must see one stream, as if nothing happened.
@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from services.router.migration import Progress, continuation_body, is_migratable
+from hybrid_pd.router.migration import Progress, continuation_body, is_migratable
 from tests.router_support import KV, PREFILL, asgi_client, router_app
 
 D1, D2 = "http://decode-one.test:3", "http://decode-two.test:4"

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from connector.compat import WorkerIdentity
-from services.common.openai_errors import OpenAIError
-from services.router.metrics import RouterMetrics
-from services.router.pairing import Pairing, PrefillChoice, PromptLengthDecider
-from services.router.policies import LeastOutstanding, RequestInfo
-from services.router.registry import Registry, Worker
+from hybrid_pd.common.openai_errors import OpenAIError
+from hybrid_pd.connector.compat import WorkerIdentity
+from hybrid_pd.router.metrics import RouterMetrics
+from hybrid_pd.router.pairing import Pairing, PrefillChoice, PromptLengthDecider
+from hybrid_pd.router.policies import LeastOutstanding, RequestInfo
+from hybrid_pd.router.registry import Registry, Worker
 
 LONG = RequestInfo(est_tokens=100)
 

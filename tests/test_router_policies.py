@@ -4,10 +4,10 @@ from collections import Counter
 
 import pytest
 
-from connector.compat import IncompatibleWorkers, WorkerIdentity
-from services.router.pairing import compatible_prefills
-from services.router.policies import LeastOutstanding, PowerOfTwo, PrefixAffinity, RequestInfo, RoundRobin, make_policy
-from services.router.registry import Registry, Worker
+from hybrid_pd.connector.compat import IncompatibleWorkers, WorkerIdentity
+from hybrid_pd.router.pairing import compatible_prefills
+from hybrid_pd.router.policies import LeastOutstanding, PowerOfTwo, PrefixAffinity, RequestInfo, RoundRobin, make_policy
+from hybrid_pd.router.registry import Registry, Worker
 
 
 def _w(url, role="decode", inflight=0, tokens=0, **identity):

@@ -7,7 +7,7 @@ import json
 import httpx
 import pytest
 
-from connector.timeline import REQUEST_ID_PARAM
+from hybrid_pd.connector.trace.timeline import REQUEST_ID_PARAM
 from tests.router_support import DECODE, KV, PREFILL, Workers, asgi_client, router_app
 
 

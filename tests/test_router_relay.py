@@ -1,6 +1,6 @@
 """How the router relays decode answers: bytes as they come, only the usage event rewritten, several prompts merged.
 
-These run :mod:`services.router.relay` alone, on byte chunks and parsed answers; the router
+These run :mod:`hybrid_pd.router.relay` alone, on byte chunks and parsed answers; the router
 around it is tested against scripted workers in tests/test_router_protocol.py.
 """
 
@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from services.router.relay import DecodeStream, StreamBroke, merge_answers, merge_usage, relay_one, relay_several
+from hybrid_pd.router.relay import DecodeStream, StreamBroke, merge_answers, merge_usage, relay_one, relay_several
 
 PREFILL_USAGE = {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6, "prompt_tokens_details": {"cached_tokens": 2}}
 USAGE = {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}

@@ -8,9 +8,9 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from benchmarks.fake_upstream import serve_in_thread
-from services.router.app import create_app
-from services.router.settings import RouterSettings
+from hybrid_pd.bench.router.fake_upstream import serve_in_thread
+from hybrid_pd.router.app import create_app
+from hybrid_pd.router.settings import RouterSettings
 
 
 class _Decode:

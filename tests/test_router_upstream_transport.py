@@ -15,7 +15,7 @@ from contextlib import asynccontextmanager
 import httpx
 import pytest
 
-from services.router.upstream import AiohttpTransport, Upstream
+from hybrid_pd.router.upstream import AiohttpTransport, Upstream
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 

@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from services.stack import Stack, StackConfig, watch
+from hybrid_pd.stack import Stack, StackConfig, watch
 
 
 def _stack(**kw) -> Stack:

@@ -1,7 +1,7 @@
-"""Joining timeline traces into per-request segments (services/bench/timeline.py).
+"""Joining timeline traces into per-request segments (hybrid_pd/bench/timeline.py).
 
 The traces are written here line by line as a router, a prefill and a decode worker's
-processes write them (connector/timeline.py), with the clocks given per event.
+processes write them (hybrid_pd/connector/trace/timeline.py), with the clocks given per event.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import json
 
 import pytest
 
-from connector.timeline import TimelineWriter
-from services.bench.budget import budget, budgets, format_budget
-from services.bench.timeline import CHAIN, RESIDUAL, SEGMENTS, load_events, request_group, timelines
+from hybrid_pd.bench.budget import budget, budgets, format_budget
+from hybrid_pd.bench.timeline import CHAIN, RESIDUAL, SEGMENTS, load_events, request_group, timelines
+from hybrid_pd.connector.trace.timeline import TimelineWriter
 
 
 class _Proc:

@@ -1,4 +1,4 @@
-"""What the traced processes record (connector/timeline_http.py, connector/timeline_engine.py), without vLLM.
+"""What the traced processes record (hybrid_pd/connector/trace/http.py, hybrid_pd/connector/vllm/timeline_engine.py), without vLLM.
 
 The HTTP edge is driven as an ASGI app is; the engine side gets stand-ins with the
 attributes vLLM's ``Request`` and its engine events have (``request_id``,
@@ -11,10 +11,10 @@ import asyncio
 from enum import Enum
 from types import SimpleNamespace
 
-from connector.timeline import REQUEST_ID_PARAM, TimelineWriter
-from connector.timeline_engine import EngineTimeline, vllm_event_time
-from connector.timeline_http import TimelineMiddleware
-from services.bench.timeline import load_events
+from hybrid_pd.bench.timeline import load_events
+from hybrid_pd.connector.trace.http import TimelineMiddleware
+from hybrid_pd.connector.trace.timeline import REQUEST_ID_PARAM, TimelineWriter
+from hybrid_pd.connector.vllm.timeline_engine import EngineTimeline, vllm_event_time
 
 
 def _events(directory) -> list[tuple]:
@@ -125,7 +125,7 @@ def test_a_prefill_engine_records_done_and_ignores_requests_the_router_did_not_n
 def test_a_forked_process_gets_a_writer_and_a_file_of_its_own(tmp_path):
     import os
 
-    from connector.timeline import writer_for
+    from hybrid_pd.connector.trace.timeline import writer_for
 
     parent = writer_for(str(tmp_path), "decode")
     assert writer_for(str(tmp_path), "decode") is parent

@@ -1,6 +1,6 @@
 """A worker joins every router replica: the URL list, the DNS fan-out, and real routers coming and going.
 
-The routers here are the router app itself (:func:`services.router.app.create_app`) on real
+The routers here are the router app itself (:func:`hybrid_pd.router.app.create_app`) on real
 sockets; replicas of one URL share its port on different loopback addresses (127.0.0.1,
 127.0.0.2), which the injected resolver hands out as a headless Service's DNS would.
 """
@@ -18,14 +18,14 @@ import pytest
 import uvicorn
 from pydantic import ValidationError
 
-from connector.compat import WorkerIdentity
-from services.cli import build_parser
-from services.common.cli_flags import given
-from services.common.processes import free_port
-from services.router.app import create_app
-from services.router.settings import RouterSettings
-from services.worker.registration import RouterLink, fan_out, replica_urls
-from services.worker.settings import WorkerSettings
+from hybrid_pd.cli import build_parser
+from hybrid_pd.common.cli_flags import given
+from hybrid_pd.common.processes import free_port
+from hybrid_pd.connector.compat import WorkerIdentity
+from hybrid_pd.router.app import create_app
+from hybrid_pd.router.settings import RouterSettings
+from hybrid_pd.worker.registration import RouterLink, fan_out, replica_urls
+from hybrid_pd.worker.settings import WorkerSettings
 
 TOKEN = "admin-secret"
 WORKER = "http://127.0.0.1:9"  # where the worker says it is: nobody answers, registration does not need it to

@@ -7,11 +7,11 @@ from dataclasses import fields
 
 import pytest
 
-from connector.launch import WorkerSpec
-from services.cli import build_parser
-from services.common.cli_flags import given
-from services.worker import ROLES
-from services.worker.settings import WorkerSettings
+from hybrid_pd.cli import build_parser
+from hybrid_pd.common.cli_flags import given
+from hybrid_pd.connector.launch import WorkerSpec
+from hybrid_pd.worker import ROLES
+from hybrid_pd.worker.settings import WorkerSettings
 
 # The flags `hybrid-pd prefill|decode|colocated` have always had, in --help order.
 FLAGS = [

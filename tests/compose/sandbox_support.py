@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.common.processes import free_port
+from hybrid_pd.common.processes import free_port
 from tests.deploy_compose import ROOT
 
 __all__ = ["Compose", "Engine", "HealthDriver", "Inputs", "Rlimits", "install_engine", "make_inputs", "timed"]

@@ -13,7 +13,7 @@ import json
 
 import httpx
 
-from services.common.prom import metric_sum
+from hybrid_pd.common.prom import metric_sum
 from tests.compose.sandbox_support import Compose
 
 MODEL = "hybrid-pd-tiny"

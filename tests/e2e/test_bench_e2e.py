@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from services.bench.cli import add_bench_parser, run_bench
-from services.bench.prompts import vocab_size_of
+from hybrid_pd.bench.cli import add_bench_parser, run_bench
+from hybrid_pd.bench.prompts import vocab_size_of
 from tests.e2e.support import metric
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]

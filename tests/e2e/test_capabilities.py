@@ -16,9 +16,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.common.processes import free_port
-from services.default_model import resolve_model
-from services.stack import Stack, StackConfig
+from hybrid_pd.common.processes import free_port
+from hybrid_pd.default_model import resolve_model
+from hybrid_pd.stack import Stack, StackConfig
 
 pytestmark = pytest.mark.e2e
 
@@ -60,7 +60,7 @@ def test_a_worker_whose_vllm_lacks_a_piece_stops_naming_it(tmp_path):
     env = _without(tmp_path / "site", "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker",
                    "del module.derive_mamba_conv_split")  # fmt: skip
     model, _ = resolve_model(None)
-    argv = [sys.executable, "-m", "services.cli", "decode", "--model", model, "--port", str(free_port()),
+    argv = [sys.executable, "-m", "hybrid_pd.cli", "decode", "--model", model, "--port", str(free_port()),
             "--side-channel-port", str(free_port())]  # fmt: skip
     done = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=REPO, env={**os.environ, **env})
     assert done.returncode == 2, done.stderr[-3000:]
@@ -74,7 +74,7 @@ def test_without_the_decode_row_fix_the_connector_applies_it_and_says_so(tmp_pat
     # vLLM's reclassification taken out everywhere (the colocated baseline too): the decode worker's
     # probe finds it missing and our connector puts it back, in the engine, on its own.
     env = _without(tmp_path / "site", "vllm.v1.attention.backends.mamba_attn",
-                   "from connector.decode_rows import remove_vllm_fix\nremove_vllm_fix()")  # fmt: skip
+                   "from hybrid_pd.connector.vllm.decode_rows import remove_vllm_fix\nremove_vllm_fix()")  # fmt: skip
     monkeypatch.setenv("PYTHONPATH", env["PYTHONPATH"])
     monkeypatch.setenv("HYBRID_PD_HOME", str(tmp_path / "home"))  # a fresh probe, not an earlier result
     model, name = resolve_model(None)

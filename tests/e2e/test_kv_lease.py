@@ -3,7 +3,7 @@
 The stack's prefill worker holds state for 3 s and has a small KV cache (64 blocks), so
 freed blocks are soon handed to other requests. The decode leg is sent by hand, after
 the lease ran out and the blocks were reused: what a decode worker stalled past the lease
-(SIGSTOP, a long pause) does. Without our lease check (connector/kv_lease.py) vLLM reads
+(SIGSTOP, a long pause) does. Without our lease check (hybrid_pd/connector/vllm/kv_lease.py) vLLM reads
 the reused blocks and answers another text with HTTP 200 (measured: ' Maya has 41 + 37 =
 ...' became '  35 =7\\n2 =>>  gets 21 / 6 = ...'); with it the pull counts as failed and
 the prompt is recomputed locally: the colocated answer.
@@ -16,11 +16,11 @@ import time
 import httpx
 import pytest
 
-from connector.kv_lease import LEASE_EXPIRES_KEY
-from services.common.processes import free_port
-from services.default_model import resolve_model
-from services.router.legs import decode_body, prefill_body
-from services.stack import Stack, StackConfig
+from hybrid_pd.common.processes import free_port
+from hybrid_pd.connector.vllm.kv_lease import LEASE_EXPIRES_KEY
+from hybrid_pd.default_model import resolve_model
+from hybrid_pd.router.legs import decode_body, prefill_body
+from hybrid_pd.stack import Stack, StackConfig
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.cli import main as hybrid_pd
+from hybrid_pd.cli import main as hybrid_pd
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 

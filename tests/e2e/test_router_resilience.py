@@ -18,12 +18,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from benchmarks.chaos import checked_load, expected_tokens, run_chaos, vllm_group
-from benchmarks.fake_upstream import serve_in_thread
-from services.common.processes import free_port
-from services.common.prom import metric_sum
-from services.router.app import create_app
-from services.router.settings import RouterSettings
+from hybrid_pd.bench.chaos import checked_load, expected_tokens, run_chaos, vllm_group
+from hybrid_pd.bench.router.fake_upstream import serve_in_thread
+from hybrid_pd.common.processes import free_port
+from hybrid_pd.common.prom import metric_sum
+from hybrid_pd.router.app import create_app
+from hybrid_pd.router.settings import RouterSettings
 from tests.e2e.support import metric, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -158,7 +158,7 @@ def test_bounded_load_every_request_completes_correctly_or_fails_cleanly(stack, 
 
 
 def test_chaos_workers_crash_and_come_back_under_load_and_no_answer_is_wrong(stack):
-    """The short version of benchmarks/chaos.py on the session stack: a worker's vLLM is killed every few
+    """The short version of hybrid_pd/bench/chaos.py on the session stack: a worker's vLLM is killed every few
     seconds while 40 requests run and restarted (new NIXL engine id: the decode workers' peers go stale)."""
     report = run_chaos(stack, requests=40, concurrency=8, crash_every_s=3)
     print(f"\nchaos: {report}")
@@ -272,7 +272,7 @@ def test_decode_worker_killed_mid_stream_the_stream_goes_on_on_the_survivor_as_c
     assert migrated() == before + 1
 
     # The first request after the kill can wait for vLLM's KV lease (~30 s here): the surviving
-    # decode worker's first pull from the prefill worker stalled until the lease expired (see README).
+    # decode worker's first pull from the prefill worker stalled until the lease expired (docs/connector.md, "never answer from state the prefill already gave away").
     with httpx.Client(base_url=stack.url, timeout=180) as after:
         for _ in range(3):
             r = after.post("/v1/completions", json={"model": _model(stack), "prompt": "Hello", "max_tokens": 4})

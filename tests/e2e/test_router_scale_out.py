@@ -18,8 +18,8 @@ from subprocess import Popen
 import httpx
 import pytest
 
-from services.common.processes import free_port, spawn, stop_group, wait_http_ok
-from services.default_model import resolve_model
+from hybrid_pd.common.processes import free_port, spawn, stop_group, wait_http_ok
+from hybrid_pd.default_model import resolve_model
 from tests.e2e.support import metric, settled, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
@@ -40,7 +40,7 @@ class Pool:
 
 
 def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "services.cli", *args]
+    return [sys.executable, "-m", "hybrid_pd.cli", *args]
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import httpx
 import psutil
 import pytest
 
-from services.common.processes import free_port
+from hybrid_pd.common.processes import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -25,7 +25,7 @@ def _port_open(port: int) -> bool:
 
 def test_up_serves_then_sigterm_stops_every_process_and_frees_every_port(tmp_path):
     port = free_port()
-    argv = [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--log-dir", str(tmp_path)]
+    argv = [sys.executable, "-m", "hybrid_pd.cli", "up", "--port", str(port), "--log-dir", str(tmp_path)]
     if os.environ.get("HYBRID_PD_TEST_MODEL"):
         argv += ["--model", os.environ["HYBRID_PD_TEST_MODEL"]]
     up = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from services.common.processes import free_port
+from hybrid_pd.common.processes import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -16,7 +16,7 @@ def test_worker_exits_nonzero_with_the_error_lines_when_vllm_fails(tmp_path):
     broken = tmp_path / "not-a-model"
     broken.mkdir()
     (broken / "config.json").write_text('{"model_type": "no_such_architecture"}')
-    argv = [sys.executable, "-m", "services.cli", "decode", "--model", str(broken), "--port", str(free_port()),
+    argv = [sys.executable, "-m", "hybrid_pd.cli", "decode", "--model", str(broken), "--port", str(free_port()),
             "--side-channel-port", str(free_port())]  # fmt: skip
     result = subprocess.run(argv, capture_output=True, text=True, timeout=500)
     assert result.returncode != 0

