@@ -53,10 +53,13 @@ def test_unknown_fields_are_not_guessed():
     check_pair(WorkerIdentity(role="prefill", model="m"), WorkerIdentity(role="decode", model="m", dtype="float32"))
 
 
-def test_roles_must_be_prefill_then_decode():
+def test_roles_must_be_prefill_then_decode_or_flex_on_either_side():
     p, d = _pair()
-    with pytest.raises(IncompatibleWorkers, match="need a prefill and a decode"):
+    with pytest.raises(IncompatibleWorkers, match=r"need a prefill \(or flex\) and a decode \(or flex\)"):
         check_pair(d, p)
+    flex = WorkerIdentity(**{**p.to_json(), "role": "flex"})
+    for prefill, decode in ((flex, d), (p, flex), (flex, flex)):
+        check_pair(prefill, decode)
 
 
 def test_single_worker_rules():

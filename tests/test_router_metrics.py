@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import get_args
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from hybrid_pd.router.decider import LOCAL_REASONS, SPLIT_REASONS
 from hybrid_pd.router.metrics import GENERATION, MIGRATION_OUTCOMES, OUTCOMES, REFUSALS, ROUTES
-from hybrid_pd.router.pairing import Fallback
 from tests.router_support import DECODE, PREFILL
 
 ROUTER = Path(__file__).resolve().parents[1] / "hybrid_pd" / "router"
@@ -31,8 +30,10 @@ async def test_every_counter_has_its_known_series_at_zero_before_any_request(cli
     for route in GENERATION:
         for outcome in OUTCOMES:
             assert _value(text, "hybrid_pd_requests_total", route=route, outcome=outcome) == 0, (route, outcome)
-    for reason in get_args(Fallback):
+    for reason in LOCAL_REASONS:
         assert _value(text, "hybrid_pd_fallbacks_total", reason=reason) == 0, reason
+    for reason in SPLIT_REASONS:
+        assert _value(text, "hybrid_pd_disaggregated_total", reason=reason) == 0, reason
     for status in REFUSALS:
         assert _value(text, "hybrid_pd_rejected_total", status=str(status)) == 0, status
     for outcome in MIGRATION_OUTCOMES:
@@ -51,8 +52,10 @@ def test_the_known_labels_are_every_label_the_code_gives():
     source = _source()
     statuses = {int(s) for s in re.findall(r"OpenAIError\((\d{3})", source)}
     assert statuses - {499} == set(REFUSALS)  # 499: nobody reads it; the request counts as client_disconnected
-    reasons = set(re.findall(r"fallbacks\.labels\(\"(\w+)\"\)", source)) | set(re.findall(r"PrefillChoice\(None, \"(\w+)\"\)", source))
-    assert reasons and reasons <= set(get_args(Fallback))
+    decider = (ROUTER / "decider.py").read_text()
+    reasons = set(re.findall(r"Decision\(\(\), \"(\w+)\"\)", decider)) | set(re.findall(r"reason = \"(\w+)\"", source))
+    assert reasons and reasons <= set(LOCAL_REASONS) | set(SPLIT_REASONS)
+    assert set(LOCAL_REASONS).isdisjoint(SPLIT_REASONS)
     assert set(re.findall(r"on_migrated\(\"(\w+)\"\)", source)) == set(MIGRATION_OUTCOMES)
 
 

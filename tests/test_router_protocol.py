@@ -300,12 +300,12 @@ async def test_health_is_503_until_a_decode_worker_is_available_and_requests_rec
     assert not decode.available
     r = await client.get("/health")
     assert r.status_code == 503
-    assert r.json()["available"] == {"prefill": [PREFILL], "decode": []}
+    assert r.json()["available"] == {"prefill": [PREFILL], "decode": [], "flex": []}
     # The worker answers its health check again: a request re-checks at once instead of answering 503.
     r = await client.post("/v1/completions", json={"model": "m", "prompt": "hi"})
     assert r.status_code == 200 and decode.available
     r = await client.get("/health")
-    assert r.status_code == 200 and r.json()["available"] == {"prefill": [PREFILL], "decode": [DECODE]}
+    assert r.status_code == 200 and r.json()["available"] == {"prefill": [PREFILL], "decode": [DECODE], "flex": []}
 
 
 async def test_a_mixed_prompt_list_is_not_split(client, workers):

@@ -83,8 +83,10 @@ def _same(field: str, prefill: WorkerIdentity, decode: WorkerIdentity, fix: str)
 
 def check_pair(prefill: WorkerIdentity, decode: WorkerIdentity) -> None:
     """Raise :class:`IncompatibleWorkers` unless ``prefill`` can hand its state to ``decode``."""
-    if prefill.role != "prefill" or decode.role != "decode":
-        raise IncompatibleWorkers("role", f"need a prefill and a decode worker, got {prefill.role!r} and {decode.role!r}")
+    if prefill.role not in ("prefill", "flex") or decode.role not in ("decode", "flex"):
+        raise IncompatibleWorkers(
+            "role", f"need a prefill (or flex) and a decode (or flex) worker, got {prefill.role!r} and {decode.role!r}"
+        )
     check_worker(prefill)
     check_worker(decode)
     _same("model", prefill, decode, "serve the same model on both roles")

@@ -18,7 +18,7 @@ from hybrid_pd.connector.plan import ModelShape, readable_shape
 
 __all__ = ["Launch", "Role", "Device", "WorkerSpec", "build_launch", "dtype", "kv_transfer_config"]
 
-Role = Literal["prefill", "decode", "colocated"]
+Role = Literal["prefill", "decode", "flex", "colocated"]
 Device = Literal["cpu", "cuda"]
 
 # NIXL's progress thread on CPU workers: sleep up to this long between polls instead of
@@ -62,7 +62,7 @@ class WorkerSpec:
     nixl_trace_dir: str | None = None
     timeline_dir: str | None = None
     merge_descriptors: bool = True
-    pull_await_us: int = 1000
+    pull_await_us: int = 0
     speculative_config: str | None = None  # vLLM's --speculative-config JSON (the settings' canonical form)
     vllm_args: tuple[str, ...] = ()
     # What the start-up check decided (hybrid_pd.connector.vllm.capabilities): (piece, "vllm" | "fallback:<how>") pairs.
@@ -84,11 +84,13 @@ class Launch:
 
 
 def kv_role(role: Role) -> str | None:
-    """The NixlConnector role: the prefill worker produces state, the decode worker consumes it.
+    """The NixlConnector role: the prefill worker produces state, the decode worker consumes it, a flex worker does both.
 
-    A colocated server runs without a connector (the baseline P/D is compared to).
+    A flex worker (``kv_both``) serves each request whole, as a replica, or prefills it for
+    another worker, or decodes what another prefilled: the router decides per request
+    (hybrid_pd/router/decider.py). A colocated server runs without a connector (the baseline P/D is compared to).
     """
-    return {"prefill": "kv_producer", "decode": "kv_consumer", "colocated": None}[role]
+    return {"prefill": "kv_producer", "decode": "kv_consumer", "flex": "kv_both", "colocated": None}[role]
 
 
 def kv_transfer_config(spec: WorkerSpec) -> dict | None:
@@ -108,11 +110,11 @@ def kv_transfer_config(spec: WorkerSpec) -> dict | None:
         "kv_buffer_device": "cpu" if spec.device == "cpu" else "cuda",
     }
     config["kv_connector_module_path"] = "hybrid_pd.connector.vllm.nixl_connector"
-    if spec.role == "decode":
+    if spec.role in ("decode", "flex"):
         # A failed or expired pull (prefill restarted, lease ran out, first handshake timed
         # out) recomputes the prompt locally instead of failing the request (vLLM: "fail").
         config["kv_load_failure_policy"] = "recompute"
-    if spec.kv_lease_s is not None and spec.role == "prefill":
+    if spec.kv_lease_s is not None and spec.role in ("prefill", "flex"):
         config["kv_connector_extra_config"] = {"kv_lease_duration": spec.kv_lease_s}
     return config
 
@@ -193,29 +195,14 @@ def nixl_merge_env(spec: WorkerSpec) -> dict[str, str]:
 
 
 def pull_await_env(spec: WorkerSpec) -> dict[str, str]:
-    """Decode: wait up to ``spec.pull_await_us`` in the engine step that posted a pull for it to complete (:mod:`hybrid_pd.connector.vllm.pull_await`)."""
-    if spec.role != "decode" or spec.pull_await_us <= 0:
+    """Decode and flex: wait up to ``spec.pull_await_us`` in the engine step that posted a pull for it to complete (:mod:`hybrid_pd.connector.vllm.pull_await`).
+
+    Off by default: it shortens time to first token at low load, but a step that waits is a
+    step every running request waits for (docs/performance.md, the real-scale matrix).
+    """
+    if spec.role not in ("decode", "flex") or spec.pull_await_us <= 0:
         return {}
     return {AWAIT_ENV: str(spec.pull_await_us)}
-
-
-def decode_scheduling_args(spec: WorkerSpec) -> list[str]:
-    """GPU decode workers schedule synchronously (``--no-async-scheduling``); ``--vllm-arg=--async-scheduling`` restores vLLM's default.
-
-    With vLLM's asynchronous scheduling an engine step's results are processed after the
-    next step has been scheduled, so a decode worker learns that a pull completed one step
-    late, schedules the decode row a step after that, and emits its token a step later
-    again. Measured on one H100 (vLLM 0.26, the 90.6M hybrid, 1000-token prompts, before
-    and after in one run, docs/performance.md): "pull done -> decode-row step scheduled"
-    3.0 -> 1.3 ms and "decode row -> first event" 9.6 -> 6.7 ms p50 at 1 in flight, 7.2 ->
-    1.2 ms and 23.5 -> 16.0 ms at 32, P/D TTFT p50 at 32 in flight 0.92x. Prefill workers
-    and colocated servers keep vLLM's default. Only where this vLLM has the setting.
-    """
-    if spec.role != "decode" or spec.device != "cuda":
-        return []
-    from vllm.engine.arg_utils import EngineArgs
-
-    return ["--no-async-scheduling"] if "async_scheduling" in {f.name for f in fields(EngineArgs)} else []
 
 
 def nixl_trace_env(spec: WorkerSpec) -> dict[str, str]:
@@ -226,8 +213,11 @@ def nixl_trace_env(spec: WorkerSpec) -> dict[str, str]:
 
 
 def timeline_env(spec: WorkerSpec) -> dict[str, str]:
-    """Where a traced worker's vLLM processes (HTTP server, engine) record the hand-off timeline, and as which role."""
-    if spec.role == "colocated" or not spec.timeline_dir:
+    """Where a traced worker's vLLM processes (HTTP server, engine) record the hand-off timeline, and as which role.
+
+    Prefill and decode workers only: the timeline's segments are a prefill's and a decode's.
+    """
+    if spec.role not in ("prefill", "decode") or not spec.timeline_dir:
         return {}
     return {TIMELINE_DIR_ENV: spec.timeline_dir, TIMELINE_SOURCE_ENV: spec.role}
 
@@ -238,7 +228,7 @@ def timeline_args(spec: WorkerSpec) -> list[str]:
     Plain ASGI around vLLM's app, so it times the server rather than a framework's layers;
     our connector module records the engine's side (``hybrid_pd/connector/vllm/timeline_engine.py``).
     """
-    if spec.role == "colocated" or not spec.timeline_dir:
+    if spec.role not in ("prefill", "decode") or not spec.timeline_dir:
         return []
     return ["--middleware", "hybrid_pd.connector.trace.http.TimelineMiddleware"]
 
@@ -372,7 +362,7 @@ def build_launch(spec: WorkerSpec) -> Launch:
     if spec.speculative_config is not None:
         argv += ["--speculative-config", spec.speculative_config]
     shape = readable_shape(spec.model)
-    argv += gdn_prefill_args(spec, shape) + language_model_only_args(spec, shape) + decode_scheduling_args(spec) + timeline_args(spec) + list(spec.vllm_args) + capability_args(spec)
+    argv += gdn_prefill_args(spec, shape) + language_model_only_args(spec, shape) + timeline_args(spec) + list(spec.vllm_args) + capability_args(spec)
     env = {
         **state_layout_env(spec),
         **side_channel_env(spec),

@@ -6,7 +6,7 @@ token the admin API is off (404), so a router is never open to registration by a
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 import httpx
 from fastapi import APIRouter, Request
@@ -14,7 +14,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from hybrid_pd.common.openai_errors import OpenAIError
 from hybrid_pd.connector.compat import IncompatibleWorkers, WorkerIdentity
-from hybrid_pd.router.registry import Worker, probe_identity
+from hybrid_pd.router.registry import RoleName, Worker, probe_identity
 from hybrid_pd.router.state import RouterState
 
 __all__ = ["WorkerRegistration", "admin_routes"]
@@ -24,7 +24,7 @@ class WorkerRegistration(BaseModel):
     """What a worker sends to join: where it is, its role and (optionally) its identity."""
 
     url: str = Field(description="base URL of the worker's vLLM OpenAI server")
-    role: Literal["prefill", "decode"]
+    role: RoleName
     identity: dict[str, Any] | None = None
 
     @field_validator("url")

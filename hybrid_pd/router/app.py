@@ -39,9 +39,9 @@ from hybrid_pd.router.aux_endpoints import AUX_PATHS, forward
 from hybrid_pd.router.disconnect import cancel_on_disconnect
 from hybrid_pd.router.jsoncodec import dumps, loads_strict
 from hybrid_pd.router.metrics import GENERATION, Route, RouterMetrics
-from hybrid_pd.router.pairing import Pairing, PromptLengthDecider
+from hybrid_pd.router.pairing import Pairing
 from hybrid_pd.router.policies import make_policy
-from hybrid_pd.router.registry import Registry, Worker
+from hybrid_pd.router.registry import ROLES, Registry, Worker
 from hybrid_pd.router.relay import answer_whole, relay_answers
 from hybrid_pd.router.route import decode_chunks, route_request
 from hybrid_pd.router.settings import RouterSettings
@@ -87,14 +87,15 @@ def create_app(settings: RouterSettings, transport: httpx.AsyncBaseTransport | N
     """
     metrics = RouterMetrics()
     registry = Registry(settings.eviction_failures, settings.heartbeat_ttl_s, inflight_gauge=metrics.inflight)
-    for role, urls in (("prefill", settings.prefill), ("decode", settings.decode)):
+    for role, urls in (("prefill", settings.prefill), ("decode", settings.decode), ("flex", settings.flex)):
         for url in urls:
             registry.add(Worker(url=url, role=role, identity=WorkerIdentity(role=role), static=True))
     pairing = Pairing(
         registry,
         decode_policy=make_policy(settings.decode_policy),
         prefill_policy=make_policy(settings.prefill_policy),
-        decider=PromptLengthDecider(settings.local_prefill_below_tokens),
+        slo=settings.slo,
+        min_tokens=settings.local_prefill_below_tokens,
         per_worker_limit=settings.max_concurrency_per_worker,
     )
     state = RouterState(settings=settings, registry=registry, metrics=metrics, pairing=pairing)
@@ -136,9 +137,8 @@ def create_app(settings: RouterSettings, transport: httpx.AsyncBaseTransport | N
         ready = pairing.decode_available()
         body = {
             "status": "ok" if ready else "no decode worker available",
-            "prefill": [w.url for w in registry.role("prefill")],
-            "decode": [w.url for w in registry.role("decode")],
-            "available": {role: [w.url for w in registry.role(role) if w.available] for role in ("prefill", "decode")},
+            **{role: [w.url for w in registry.role(role)] for role in ROLES},
+            "available": {role: [w.url for w in registry.role(role) if w.available] for role in ROLES},
         }
         return JSONResponse(body, status_code=200 if ready else 503)
 

@@ -14,7 +14,7 @@ from typing import Literal, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from hybrid_pd.router.pairing import Fallback
+from hybrid_pd.router.decider import LOCAL_REASONS, SPLIT_REASONS
 
 __all__ = ["MIGRATION_OUTCOMES", "OUTCOMES", "REFUSALS", "ROUTES", "Outcome", "Route", "RouterMetrics"]
 
@@ -68,7 +68,12 @@ class RouterMetrics:
             "hybrid_pd_router_overhead_seconds", "Router time outside both legs until the decode leg is sent", buckets=_FAST, registry=r
         )
         self.inflight = Gauge("hybrid_pd_worker_inflight", "In-flight legs per worker", ["role", "url"], registry=r)
-        self.fallbacks = Counter("hybrid_pd_fallbacks", "Requests served by the decode worker alone, by why", ["reason"], registry=r)
+        self.fallbacks = Counter(
+            "hybrid_pd_fallbacks", "Requests prefilled on their decode worker, by why (hybrid_pd/router/decider.py)", ["reason"], registry=r
+        )
+        self.disaggregated = Counter(
+            "hybrid_pd_disaggregated", "Requests prefilled on another worker and pulled, by why (hybrid_pd/router/decider.py)", ["reason"], registry=r
+        )
         self.retries = Counter("hybrid_pd_retries", "Decode legs retried on another worker", registry=r)
         self.migrations = Counter(
             "hybrid_pd_migrations", "Streams carried to another decode worker after theirs broke or stalled", ["outcome"], registry=r
@@ -80,8 +85,10 @@ class RouterMetrics:
         for route in ROUTES:
             for outcome in OUTCOMES if route in GENERATION else ("ok", "client_disconnected"):
                 self.requests.labels(route, outcome)
-        for reason in get_args(Fallback):
+        for reason in LOCAL_REASONS:
             self.fallbacks.labels(reason)
+        for reason in SPLIT_REASONS:
+            self.disaggregated.labels(reason)
         for outcome in MIGRATION_OUTCOMES:
             self.migrations.labels(outcome)
         for status in REFUSALS:

@@ -16,7 +16,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Literal
+from typing import Literal, get_args
 
 import httpx
 from prometheus_client import Gauge
@@ -24,18 +24,25 @@ from prometheus_client import Gauge
 from hybrid_pd.common.logs import kv
 from hybrid_pd.common.prom import metric_label
 from hybrid_pd.connector.compat import IncompatibleWorkers, WorkerIdentity, check_pair, check_worker
+from hybrid_pd.router.load import LiveLoad
 from hybrid_pd.router.upstream import Upstream
 
-__all__ = ["Lease", "Registry", "Worker", "can_pair", "probe_identity"]
+__all__ = ["DECODERS", "PREFILLERS", "ROLES", "Lease", "Registry", "Worker", "can_pair", "probe_identity"]
 
 log = logging.getLogger("hybrid_pd.router.registry")
 
-RoleName = Literal["prefill", "decode"]
+RoleName = Literal["prefill", "decode", "flex"]
+ROLES: tuple[RoleName, ...] = get_args(RoleName)
+# Who can take which leg: a flexible worker (vLLM's kv_both) prefills for others and decodes.
+PREFILLERS: tuple[RoleName, ...] = ("prefill", "flex")
+DECODERS: tuple[RoleName, ...] = ("decode", "flex")
+# What a leg does on its worker: prefill for another worker, decode a pulled state, or both (a local prefill).
+LegKind = Literal["prefill", "decode", "local"]
 
 
 @dataclass
 class Worker:
-    """One prefill or decode worker and its live state."""
+    """One prefill, decode or flexible worker and its live state."""
 
     url: str
     role: RoleName
@@ -50,6 +57,7 @@ class Worker:
     failures: int = 0
     inflight: int = 0
     inflight_tokens: int = 0
+    load: LiveLoad = field(default_factory=LiveLoad)
     last_seen: float = field(default_factory=time.monotonic)
 
     @property
@@ -72,8 +80,8 @@ class Worker:
 
 
 def can_pair(a: Worker, b: Worker) -> bool:
-    """Whether a prefill and a decode worker (either order) can hand state from one to the other."""
-    prefill, decode = (a, b) if a.role == "prefill" else (b, a)
+    """Whether one of two workers (either order) can hand its state to the other: a prefill or flexible worker to a decode or flexible one."""
+    prefill, decode = (a, b) if a.role == "prefill" or b.role == "decode" else (b, a)
     try:
         check_pair(prefill.identity, decode.identity)
     except IncompatibleWorkers:
@@ -86,20 +94,33 @@ class Lease:
 
     Whichever path ends the leg (its answer closed, an error, the client leaving) releases it,
     and more than one may: the count drops once. As a context manager it is released when the
-    block ends, however it ends.
+    block ends, however it ends. A leg that prefills (``kind`` ``prefill`` or ``local``) holds
+    its prompt tokens in the worker's prefill queue until :meth:`prefilled` (its first token
+    is out), which times the worker's prefill rate; a leg that decodes counts as a decode.
     """
 
-    __slots__ = ("worker", "_tokens", "_gauge", "_held")
+    __slots__ = ("worker", "_tokens", "_gauge", "_held", "_kind", "_ahead", "_started")
 
-    def __init__(self, worker: Worker, tokens: int, gauge: Gauge | None) -> None:
+    def __init__(self, worker: Worker, tokens: int, gauge: Gauge | None, kind: LegKind = "decode") -> None:
         self.worker = worker
         self._tokens = tokens
         self._gauge = gauge
         self._held = True
+        self._kind = kind
+        self._started = time.perf_counter()
         worker.inflight += 1
         worker.inflight_tokens += tokens
+        if kind != "prefill":
+            worker.load.decodes += 1
+        self._ahead = worker.load.prefill_started(tokens) if kind != "decode" else None
         if gauge is not None:
             gauge.set(worker.inflight)
+
+    def prefilled(self) -> None:
+        """The leg's prompt is prefilled (the prefill leg answered, or a local prefill's first byte came): out of the queue."""
+        if self._ahead is not None:
+            self.worker.load.prefill_done(self._tokens, self._ahead, time.perf_counter() - self._started, ok=True)
+            self._ahead = None
 
     def release(self) -> None:
         """Stop counting the leg; a second call does nothing."""
@@ -108,6 +129,11 @@ class Lease:
         self._held = False
         self.worker.inflight -= 1
         self.worker.inflight_tokens -= self._tokens
+        if self._kind != "prefill":
+            self.worker.load.decodes -= 1
+        if self._ahead is not None:
+            self.worker.load.prefill_done(self._tokens, self._ahead, 0.0, ok=False)
+            self._ahead = None
         if self._gauge is not None:
             self._gauge.set(self.worker.inflight)
 
@@ -116,6 +142,10 @@ class Lease:
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
         self.release()
+
+
+# Whom a worker of each role hands state to or takes it from.
+_PEERS: dict[RoleName, tuple[RoleName, ...]] = {"prefill": DECODERS, "decode": PREFILLERS, "flex": ("prefill", "decode", "flex")}
 
 
 class Registry:
@@ -128,7 +158,7 @@ class Registry:
         self._workers: dict[str, Worker] = {}
         # Each request looks up both roles: built once per change of membership, not per request.
         # Only add() and remove() change who is in a role; availability and load are read live.
-        self._roles: dict[str, tuple[Worker, ...]] = {}
+        self._roles: dict[tuple[RoleName, ...], tuple[Worker, ...]] = {}
         self.eviction_failures = eviction_failures
         self.heartbeat_ttl_s = heartbeat_ttl_s
         self.evictions = 0
@@ -143,11 +173,11 @@ class Registry:
     def by_url(self, url: str) -> Worker | None:
         return next((w for w in self._workers.values() if w.url == url), None)
 
-    def role(self, role: RoleName) -> tuple[Worker, ...]:
-        """Every worker of ``role``, available or not, in registration order."""
-        workers = self._roles.get(role)
+    def role(self, *roles: RoleName) -> tuple[Worker, ...]:
+        """Every worker of one of ``roles``, available or not, in registration order."""
+        workers = self._roles.get(roles)
         if workers is None:
-            workers = self._roles[role] = tuple(w for w in self._workers.values() if w.role == role)
+            workers = self._roles[roles] = tuple(w for w in self._workers.values() if w.role in roles)
         return workers
 
     def add(self, worker: Worker) -> Worker:
@@ -156,10 +186,10 @@ class Registry:
         A worker that registers again under the same URL replaces its old entry.
         """
         check_worker(worker.identity)
-        peers = self.role("decode" if worker.role == "prefill" else "prefill")
+        peers = [p for p in self.role(*_PEERS[worker.role]) if p.url != worker.url]
         if peers and not any(can_pair(worker, peer) for peer in peers):
             peer = peers[0]
-            pair = (worker.identity, peer.identity) if worker.role == "prefill" else (peer.identity, worker.identity)
+            pair = (worker.identity, peer.identity) if worker.role == "prefill" or peer.role == "decode" else (peer.identity, worker.identity)
             check_pair(*pair)  # raises with the field that differs
         old = self.by_url(worker.url)
         if old is not None:
@@ -180,10 +210,10 @@ class Registry:
             log.info("worker removed %s", kv(id=worker.id, url=worker.url))
         return worker
 
-    def lease(self, worker: Worker, tokens: int) -> Lease:
+    def lease(self, worker: Worker, tokens: int, kind: LegKind = "decode") -> Lease:
         """Count a leg of ``tokens`` prompt tokens as in flight on ``worker`` until the lease is released."""
         gauge = self._inflight_gauge.labels(worker.role, worker.url) if self._inflight_gauge is not None else None
-        return Lease(worker, tokens, gauge)
+        return Lease(worker, tokens, gauge, kind)
 
     def record_health(self, worker: Worker, ok: bool) -> None:
         """Count a health check; admit on success, evict after ``eviction_failures`` in a row."""

@@ -247,6 +247,8 @@ async def relay_answers(
     else:
         chunks = relay_several(streams, body, routed[0].response.headers.get("x-request-id", ""))
     first, last = True, time.perf_counter()
+    # One stream's chunk gaps are its decode worker's time per output token (hybrid_pd/router/load.py).
+    paced = routed[0].worker.load if len(routed) == 1 else None
     outcome = "ok"
     try:
         try:
@@ -254,9 +256,14 @@ async def relay_answers(
                 now = time.perf_counter()
                 if first:
                     metrics.ttft.observe(now - arrived)
+                    for r in routed:
+                        if r.lease is not None:
+                            r.lease.prefilled()  # a local prefill is done at the first byte
                     first = False
                 else:
                     metrics.itl.observe(now - last)
+                    if paced is not None:
+                        paced.chunk_gap(now - last, now)
                 last = now
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except StreamBroke as broke:

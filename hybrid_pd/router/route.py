@@ -223,10 +223,8 @@ async def route(state: RouterState, path: str, body: dict[str, Any], request_id:
             await state.registry.check_all(state.upstream)  # evicted workers may be back: look now, not at the next round
         decode = pairing.decode(info, tried)
         choice = pairing.prefill(decode, info)
-        kv_params, prefill_usage = None, None
-        if choice.worker is None:
-            metrics.fallbacks.labels(choice.fallback).inc()
-        else:
+        kv_params, prefill_usage, reason = None, None, choice.reason
+        if choice.worker is not None:
             leg_body = encoder.encode(prefill_body(body, request_id))
             if trace is not None:
                 trace.event("prefill_sent", rid=request_id)
@@ -237,17 +235,21 @@ async def route(state: RouterState, path: str, body: dict[str, Any], request_id:
                 trace.event("prefill_answered", rid=request_id)
             if outcome.kind == "refused":
                 return Routed(outcome.response, choice.worker, None, None, time.perf_counter())
-            if outcome.kind == "failed":
-                metrics.fallbacks.labels("prefill_failed").inc()
             kv_params, prefill_usage = outcome.kv_transfer_params, outcome.usage
+            if kv_params is None:  # failed, or answered without the state's whereabouts: the decode worker prefills
+                reason = "prefill_failed"
+        (metrics.disaggregated if kv_params is not None else metrics.fallbacks).labels(reason).inc()
         metrics.overhead.observe(max(0.0, time.perf_counter() - started - prefill_s))
         leg_body = encoder.encode(decode_body(body, kv_params, request_id))
         if trace is not None:
             trace.event("decode_sent", rid=request_id)
-        routed = await _decode_leg(state, decode, path, leg_body, headers, info, prefill_usage, attempt)
+        routed = await _decode_leg(state, decode, path, leg_body, headers, info, prefill_usage, attempt, local=kv_params is None)
         if routed is not None:
             if log.isEnabledFor(logging.INFO):  # one line per request: skip formatting it when INFO is off
-                log.info("routed %s", kv(path=path, decode=decode.url, status=routed.response.status_code, transfer=kv_params is not None))
+                log.info(
+                    "routed %s",
+                    kv(path=path, decode=decode.url, status=routed.response.status_code, transfer=kv_params is not None, reason=reason),
+                )
             return routed
         tried.add(decode.id)
         if attempt == 0 and pairing.decode_available(tried):
@@ -261,8 +263,10 @@ async def _prefill_leg(state: RouterState, prefill: Worker, path: str, leg_body:
     """Send the prefill leg ``leg_body`` to ``prefill``; how it ended."""
     started = time.perf_counter()
     try:
-        with state.registry.lease(prefill, info.est_tokens):
+        with state.registry.lease(prefill, info.est_tokens, "prefill") as lease:
             response = await state.upstream.request("POST", prefill.url + path, json_body=leg_body, headers=headers)
+            if response.status_code == 200:
+                lease.prefilled()
     except httpx.HTTPError as exc:
         log.warning("prefill leg failed, local prefill %s", kv(worker=prefill.url, error=type(exc).__name__))
         state.registry.record_health(prefill, ok=False)
@@ -280,10 +284,21 @@ async def _prefill_leg(state: RouterState, prefill: Worker, path: str, leg_body:
 
 
 async def _decode_leg(
-    state: RouterState, decode: Worker, path: str, leg_body: bytes, headers: dict, info: RequestInfo, prefill_usage: dict | None, attempt: int
+    state: RouterState,
+    decode: Worker,
+    path: str,
+    leg_body: bytes,
+    headers: dict,
+    info: RequestInfo,
+    prefill_usage: dict | None,
+    attempt: int,
+    local: bool,
 ) -> Routed | None:
-    """Send the decode leg and return its open answer; None when ``decode`` failed before answering (a 5xx or no answer)."""
-    lease = state.registry.lease(decode, info.est_tokens)
+    """Send the decode leg and return its open answer; None when ``decode`` failed before answering (a 5xx or no answer).
+
+    ``local``: the decode worker prefills the prompt itself (its lease holds the prompt in its prefill queue until the first byte).
+    """
+    lease = state.registry.lease(decode, info.est_tokens, "local" if local else "decode")
     sent_at = time.perf_counter()
     try:
         response = await state.upstream.request("POST", decode.url + path, json_body=leg_body, headers=headers, stream=True)

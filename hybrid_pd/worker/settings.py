@@ -54,15 +54,16 @@ class WorkerSettings(BaseSettings):
         True, description="post NIXL reads that are adjacent on both sides as one descriptor (default: on)"
     )
     pull_await_us: int = Field(
-        1000,
+        0,
         description="decode: wait up to this many microseconds, in the engine step that posted a pull, for it to "
-        "complete, so vLLM notices it in that step instead of the next (0: vLLM's behaviour)",
+        "complete, so vLLM notices it in that step instead of the next; shortens TTFT at low load, lengthens the "
+        "steps every running request waits for (0, the default: vLLM's behaviour)",
     )
     nixl_trace_dir: str | None = Field(
         None, description="record every NIXL transfer into this folder (hybrid_pd/bench/nixl_floor.py replays it)"
     )
     timeline_dir: str | None = Field(
-        None, description="record when vLLM's server and engine saw each step of every P/D request into this folder (hand-off timeline)"
+        None, description="prefill and decode: record when vLLM's server and engine saw each step of every P/D request into this folder (hand-off timeline)"
     )
     decode_row_fix: Literal["auto", "connector", "piecewise"] = Field(
         "auto",

@@ -219,11 +219,11 @@ class Piece:
 
 
 PIECES: tuple[Piece, ...] = (
-    Piece("ds_conv_state_layout", "the DS conv-state layout", ("prefill", "decode"), _probe_ds_layout, ("0.26.0", "0.32.0")),
-    Piece("n_minus_1_prefill", "N-1 prefill for hybrid models", ("prefill", "decode"), _probe_n_minus_1, ("0.26.0", "0.32.0")),
-    Piece(DECODE_ROW, "the decode-row reclassification of token N", ("decode",), _probe_decode_row, ("0.26.0", "0.32.0")),
-    Piece("nixl_mamba_transfer", "NIXL transfer of Mamba state", ("prefill", "decode"), _probe_nixl_mamba, ("0.26.0", "0.32.0")),
-    Piece(FAILED_PULLS, "reporting a failed pull", ("decode",), _probe_failed_pulls, ("0.32.0",)),
+    Piece("ds_conv_state_layout", "the DS conv-state layout", ("prefill", "decode", "flex"), _probe_ds_layout, ("0.26.0", "0.32.0")),
+    Piece("n_minus_1_prefill", "N-1 prefill for hybrid models", ("prefill", "decode", "flex"), _probe_n_minus_1, ("0.26.0", "0.32.0")),
+    Piece(DECODE_ROW, "the decode-row reclassification of token N", ("decode", "flex"), _probe_decode_row, ("0.26.0", "0.32.0")),
+    Piece("nixl_mamba_transfer", "NIXL transfer of Mamba state", ("prefill", "decode", "flex"), _probe_nixl_mamba, ("0.26.0", "0.32.0")),
+    Piece(FAILED_PULLS, "reporting a failed pull", ("decode", "flex"), _probe_failed_pulls, ("0.32.0",)),
 )
 _BY_NAME = {p.name: p for p in PIECES}
 
@@ -387,7 +387,7 @@ def checked(role: str, device: str, decode_row_fix: str, env: dict[str, str]) ->
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hybrid_pd.connector.vllm.capabilities", description=__doc__.splitlines()[0])
-    ap.add_argument("--role", choices=["prefill", "decode"], required=True)
+    ap.add_argument("--role", choices=["prefill", "decode", "flex"], required=True)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--decode-row-fix", choices=["auto", "connector", "piecewise"], default="auto")
     args = ap.parse_args(argv)

@@ -142,7 +142,7 @@ class NixlConnector(NixlPullConnector):
         self._fresh_pulls: list[int] = []  # decode worker: NIXL handles posted in this step (with PULL_AWAIT_S)
         if (writer := timeline_writer()) is not None:
             self._timeline = EngineTimeline(writer, prefill=vllm_config.kv_transfer_config.kv_role == "kv_producer")
-        if self.connector_worker is not None and vllm_config.kv_transfer_config.kv_role == "kv_consumer" and not REPORTS_FAILED_PULLS:
+        if self.connector_worker is not None and vllm_config.kv_transfer_config.kv_role in ("kv_consumer", "kv_both") and not REPORTS_FAILED_PULLS:
             log.warning(
                 "this vLLM cannot report a failed pull of hybrid state (no KVConnectorTransferResults.failed_recving; "
                 "vLLM 0.32 has it): a pull that completes after the prefill's KV lease ran out is not detected and "
