@@ -114,11 +114,10 @@ def summarize(result: dict[str, Any], slos: list[tuple[float, float]], gpus: int
     ``output_lens`` in seconds and tokens, ``errors``). A failed request counts in no goodput.
     """
     ok = [i for i, e in enumerate(result["errors"]) if not e]
+    # vLLM 0.26 saves no latencies: a request's is its TTFT plus its ITLs, as vLLM's own timeline plot adds them.
+    latencies = result.get("latencies") or [t + sum(gaps) for t, gaps in zip(result["ttfts"], result["itls"], strict=True)]
     ttft = [result["ttfts"][i] * 1e3 for i in ok]
-    tpot = [
-        (result["latencies"][i] - result["ttfts"][i]) * 1e3 / (result["output_lens"][i] - 1) if result["output_lens"][i] > 1 else 0.0
-        for i in ok
-    ]
+    tpot = [(latencies[i] - result["ttfts"][i]) * 1e3 / (result["output_lens"][i] - 1) if result["output_lens"][i] > 1 else 0.0 for i in ok]
     itl = [gap * 1e3 for i in ok for gap in result["itls"][i]]
     duration = result["duration"]
     goodput = {}
