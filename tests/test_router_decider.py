@@ -1,73 +1,93 @@
-"""The adaptive decision (hybrid_pd/router/decider.py): every branch, over hand-built loads."""
+"""Where a prompt is prefilled (hybrid_pd/router/decider.py) and when flexible workers split by phase (hybrid_pd/router/phase_split.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from hybrid_pd.router.decider import Candidate, Decision, Slo, decide
+from hybrid_pd.router.decider import Decision, decide
 from hybrid_pd.router.load import LiveLoad, LoadView
+from hybrid_pd.router.phase_split import FlexLoad, PhaseSplit, SplitPolicy
 
-IDLE = LoadView(decodes=0, prefill_tokens=0, prefill_tokens_per_s=None, tpot_s=None)
-SLO = Slo(ttft_s=0.5, tpot_s=0.020, split_above=0.5)
-
-
-def _load(decodes=0, queued=0, rate=None, tpot=None) -> LoadView:
-    return LoadView(decodes, queued, rate, tpot)
+POLICY = SplitPolicy(ttft_s=0.5, tpot_s=0.020, split_below=0.5, leave_above=0.8, quiet_below=0.2, window=4, hold_s=60)
 
 
-def test_short_prompts_and_no_candidates_stay_local():
-    assert decide(99, IDLE, False, [Candidate("p", IDLE)], SLO, min_tokens=100) == Decision((), "short_prompt")
-    assert decide(100, IDLE, False, [], SLO, min_tokens=100) == Decision((), "no_prefill_worker")
+def test_where_a_prompt_is_prefilled():
+    assert decide(99, False, ["p"], min_tokens=100, prefiller=None) == Decision((), "short_prompt")
+    assert decide(100, False, [], min_tokens=100, prefiller=None) == Decision((), "no_prefill_worker")
+    assert decide(100, False, ["p1", "p2"], 0, None) == Decision(("p1", "p2"), "disaggregated")
+    assert decide(100, True, ["f2"], 0, None) == Decision((), "replica")  # a flex worker serves it whole
+    assert decide(100, True, ["f2"], 0, "f2") == Decision(("f2",), "phase_split")
+    assert decide(100, True, ["f2"], 0, "f1") == Decision((), "replica")  # the prefiller itself, or gone: whole
 
 
-def test_a_decode_worker_takes_its_prompts_from_the_prefill_workers_that_are_in_time():
-    slow = Candidate("slow", _load(queued=20_000, rate=10_000))  # 2 s of prompts ahead: past the 500 ms TTFT target
-    fast = Candidate("fast", _load(queued=1_000, rate=10_000))  # 0.2 s
-    new = Candidate("new", IDLE)  # never prefilled: no rate yet, counts as in time
-    assert decide(1000, IDLE, False, [slow, fast, new], SLO, 0) == Decision(("fast", "new"), "disaggregated")
-    assert decide(1000, IDLE, False, [slow], Slo(), 0) == Decision(("slow",), "disaggregated")  # no TTFT target: any
+def _flex(*tpots_decodes):
+    return [FlexLoad(f"f{i}", LoadView(decodes, tpot)) for i, (tpot, decodes) in enumerate(tpots_decodes)]
 
 
-def test_a_decode_worker_prefills_locally_when_every_queue_breaks_ttft_and_it_has_tpot_headroom():
-    late = [Candidate("a", _load(queued=20_000, rate=10_000)), Candidate("b", _load(queued=30_000, rate=10_000))]
-    assert decide(1000, IDLE, False, late, SLO, 0) == Decision((), "prefill_queue")  # never prefilled here: no queue
-    quick_here = _load(decodes=4, queued=0, rate=20_000, tpot=0.008)  # 50 ms here, 8 ms per token: headroom
-    assert decide(1000, quick_here, False, late, SLO, 0) == Decision((), "prefill_queue")
-    # Its own decodes near the TPOT target: a local prefill would break them; the soonest prefill worker, late or not.
-    pressed = _load(decodes=40, queued=0, rate=20_000, tpot=0.015)
-    assert decide(1000, pressed, False, late, SLO, 0) == Decision(("a",), "disaggregated")
-    # A queue here longer than theirs: theirs.
-    busy_here = _load(decodes=4, queued=60_000, rate=20_000, tpot=0.008)
-    assert decide(1000, busy_here, False, late, SLO, 0) == Decision(("a",), "disaggregated")
+def _observe(split: PhaseSplit, *ttfts: float) -> None:
+    for ttft in ttfts:
+        split.observe_ttft(ttft)
 
 
-def test_a_flexible_worker_prefills_for_itself_until_its_tpot_nears_the_target():
-    other = Candidate("f2", _load(decodes=2))
-    for tpot in (None, 0.005, 0.0099):  # unknown (nothing streams), or below half the 20 ms target
-        assert decide(1000, _load(decodes=10, tpot=tpot), True, [other], SLO, 0) == Decision((), "decode_headroom")
-    assert decide(1000, _load(decodes=10, tpot=0.010), True, [other], SLO, 0) == Decision(("f2",), "decode_pressure")
-    # Only to a worker decoding fewer requests: elsewhere the same stall hits as many streams.
-    assert decide(1000, _load(decodes=2, tpot=0.030), True, [other], SLO, 0) == Decision((), "decode_headroom")
-    # No TPOT target: a flexible worker never splits (the same GPUs serve as replicas).
-    assert decide(1000, _load(decodes=10, tpot=0.5), True, [other], Slo(ttft_s=0.5), 0) == Decision((), "decode_headroom")
+def test_the_split_starts_when_ttft_breaks_its_target_while_tpot_has_room():
+    split = PhaseSplit(POLICY)
+    loads = _flex((0.009, 30), (0.008, 28))
+    _observe(split, 0.7, 0.7, 0.7)
+    assert split.update(0.0, loads) is None  # three TTFTs: not enough to decide on
+    _observe(split, 0.7)
+    assert split.update(1.0, loads) == "f1"  # the worker decoding fewest prefills for the other
+    assert split.update(2.0, loads) == "f1"  # it holds until the split has TTFTs of its own
 
 
-def test_a_pressed_flexible_worker_still_respects_the_ttft_target():
-    pressed = _load(decodes=10, queued=0, rate=20_000, tpot=0.015)
-    late = Candidate("late", _load(decodes=1, queued=30_000, rate=10_000))
-    ok = Candidate("ok", _load(decodes=3, queued=1_000, rate=10_000))
-    assert decide(1000, pressed, True, [late, ok], SLO, 0) == Decision(("ok",), "decode_pressure")
-    assert decide(1000, pressed, True, [late], SLO, 0) == Decision(("late",), "decode_pressure")  # pressed: no local stall
+@pytest.mark.parametrize(
+    ("ttft", "tpot", "policy"),
+    [(0.4, 0.009, POLICY), (0.7, 0.011, POLICY), (0.7, None, POLICY), (0.7, 0.009, SplitPolicy(tpot_s=0.02, window=4))],
+    ids=["ttft-within-target", "tpot-without-room", "nothing-streams", "no-ttft-target"],
+)
+def test_no_split_without_both_conditions(ttft, tpot, policy):
+    split = PhaseSplit(policy)
+    _observe(split, *[ttft] * 4)
+    assert split.update(0.0, _flex((tpot, 30), (tpot, 30))) is None
+
+
+def test_a_split_that_does_not_help_ends_and_holds_off():
+    split = PhaseSplit(POLICY)
+    _observe(split, *[0.7] * 4)
+    assert split.update(0.0, _flex((0.009, 30), (0.009, 30))) == "f0"
+    _observe(split, *[0.9] * 4)  # one prefiller does not keep up: TTFT worse
+    assert split.update(5.0, _flex((None, 0), (0.010, 60))) is None
+    _observe(split, *[0.7] * 4)
+    assert split.update(30.0, _flex((0.009, 30), (0.009, 30))) is None  # held off for 60 s
+    assert split.update(66.0, _flex((0.009, 30), (0.009, 30))) == "f0"
+
+
+def test_a_split_ends_when_the_decoders_lose_their_tpot_room_or_it_is_quiet():
+    split = PhaseSplit(POLICY)
+    _observe(split, *[0.7] * 4)
+    assert split.update(0.0, _flex((0.009, 30), (0.009, 30))) == "f0"
+    _observe(split, *[0.3] * 4)
+    assert split.update(1.0, _flex((None, 0), (0.015, 60))) == "f0"  # TPOT 15 ms, below 0.8 x 20: stays
+    assert split.update(2.0, _flex((None, 0), (0.017, 60))) is None  # past it: back to replicas
+    _observe(split, *[0.7] * 4)
+    assert split.update(70.0, _flex((0.009, 30), (0.009, 30))) == "f0"
+    _observe(split, *[0.05] * 4)  # 50 ms: below 0.2 x 500 ms, replicas answer sooner
+    assert split.update(71.0, _flex((None, 0), (0.006, 1))) is None
+    _observe(split, *[0.7] * 4)
+    assert split.update(72.0, _flex((0.009, 30), (0.009, 30))) == "f0"  # a quiet end holds nothing off
+
+
+def test_the_split_ends_when_its_prefiller_leaves_or_one_flex_worker_is_left():
+    split = PhaseSplit(POLICY)
+    _observe(split, *[0.7] * 4)
+    assert split.update(0.0, _flex((0.009, 30), (0.009, 30), (0.009, 31))) == "f0"
+    assert split.update(1.0, [FlexLoad("f1", LoadView(30, 0.009)), FlexLoad("f2", LoadView(31, 0.009))]) is None
+    _observe(split, *[0.7] * 4)
+    assert split.update(2.0, [FlexLoad("f1", LoadView(30, 0.009))]) is None
 
 
 def test_the_live_load_behind_a_view():
     load = LiveLoad()
-    assert load.view(now=0.0) == IDLE
+    assert load.view(now=0.0) == LoadView(0, None)
     load.chunk_gap(0.010, now=100.0)
     assert load.view(now=100.5).tpot_s == pytest.approx(0.010)
     assert load.view(now=101.5).tpot_s is None  # a second without a chunk: it streams nothing now
-    ahead = load.prefill_started(500)
-    assert (ahead, load.prefill_started(250)) == (0, 500)
-    load.prefill_done(250, ahead=500, seconds=0.075, ok=True, now=1.0)  # 750 tokens drained in 75 ms
-    assert load.view(now=1.0).prefill_tokens_per_s == pytest.approx(10_000)
-    assert load.view(now=1.0).prefill_wait_s(1000) == pytest.approx((500 + 1000) / 10_000)

@@ -1,4 +1,4 @@
-"""Flexible workers through the router: served whole as replicas until the TPOT target presses, then split (scripted workers)."""
+"""Flexible workers through the router: served whole as replicas, split by phase when TTFT breaks its target (scripted workers)."""
 
 from __future__ import annotations
 
@@ -53,36 +53,41 @@ async def _router(workers: FlexWorkers, **settings: object) -> AsyncIterator[tup
         yield client, state
 
 
-async def test_flexible_workers_serve_whole_requests_without_a_tpot_target():
+async def test_flexible_workers_serve_whole_requests_as_replicas():
     workers = FlexWorkers()
-    async with _router(workers) as (client, _):
+    async with _router(workers, slo_ttft_ms=500.0, slo_tpot_ms=20.0) as (client, _):
         body = {"model": "m", "prompt": "x" * 4000, "max_tokens": 3}
         answers = await asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(4)))
         assert [(r.status_code, r.json()["choices"][0]["text"]) for r in answers] == [(200, " decoded")] * 4
         metrics = (await client.get("/metrics")).text
     assert not [b for _, b in workers.calls if "kv_transfer_params" in b]  # no leg of either kind: colocated requests
     assert {host for host, _ in workers.calls} == {"flex-a.test", "flex-b.test"}  # both serve at once, as replicas
-    assert _counter(metrics, "hybrid_pd_fallbacks_total", "decode_headroom") == 4
-    assert _counter(metrics, "hybrid_pd_disaggregated_total", "decode_pressure") == 0
+    assert _counter(metrics, "hybrid_pd_fallbacks_total", "replica") == 4
+    assert _counter(metrics, "hybrid_pd_disaggregated_total", "phase_split") == 0
+    assert "hybrid_pd_phase_split 0.0" in metrics
 
 
-async def test_a_pressed_flexible_worker_hands_its_prefill_to_the_other_and_pulls_the_state():
+async def test_split_by_phase_one_flex_worker_prefills_and_the_other_pulls_the_state():
     workers = FlexWorkers()
-    async with _router(workers, slo_tpot_ms=20.0) as (client, state):
+    async with _router(workers, slo_ttft_ms=500.0, slo_tpot_ms=20.0) as (client, state):
         a, b = state.registry.role("flex")
-        held = [state.registry.lease(a, 10) for _ in range(4)]  # four decodes on A ...
-        b_busy = [state.registry.lease(b, 10, "prefill") for _ in range(5)]  # ... B prefilling: A is the decode pick
-        a.load.chunk_gap(0.015, time.perf_counter())  # A's streams at 15 ms per token: past half of 20 ms
+        held = [state.registry.lease(a, 10) for _ in range(4)] + [state.registry.lease(b, 10) for _ in range(2)]
+        now = time.perf_counter()
+        a.load.chunk_gap(0.008, now)  # both stream at 8 ms per token: room under 20 ms
+        b.load.chunk_gap(0.008, now)
+        for _ in range(state.settings.split_policy.window):
+            state.pairing.split.observe_ttft(0.9)  # the last requests' first tokens came 900 ms after they arrived
         r = await client.post("/v1/completions", json={"model": "m", "prompt": "x" * 4000, "max_tokens": 3})
         metrics = (await client.get("/metrics")).text
+        for lease in held:
+            lease.release()
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == " decoded"
     (prefill_host, prefill), (decode_host, decode) = workers.calls
-    assert (prefill_host, decode_host) == ("flex-b.test", "flex-a.test")
+    assert (prefill_host, decode_host) == ("flex-b.test", "flex-a.test")  # B, decoding fewer, prefills; A decodes
     assert prefill["kv_transfer_params"]["do_remote_decode"] and decode["kv_transfer_params"]["remote_engine_id"] == KV["remote_engine_id"]
-    assert r.json()["usage"]["prompt_tokens"] == 5 and _counter(metrics, "hybrid_pd_disaggregated_total", "decode_pressure") == 1
-    for lease in held + b_busy:
-        lease.release()
-    assert (a.load.decodes, b.load.decodes, a.load.prefill_tokens, b.load.prefill_tokens) == (0, 0, 0, 0)
+    assert r.json()["usage"]["prompt_tokens"] == 5 and _counter(metrics, "hybrid_pd_disaggregated_total", "phase_split") == 1
+    assert "hybrid_pd_phase_split 1.0" in metrics
+    assert (a.load.decodes, b.load.decodes) == (0, 0)
 
 
 def test_flex_urls_are_checked_like_the_others():

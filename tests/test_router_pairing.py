@@ -8,9 +8,9 @@ import pytest
 
 from hybrid_pd.common.openai_errors import OpenAIError
 from hybrid_pd.connector.compat import WorkerIdentity
-from hybrid_pd.router.decider import Slo
 from hybrid_pd.router.metrics import RouterMetrics
 from hybrid_pd.router.pairing import Pairing, PrefillChoice
+from hybrid_pd.router.phase_split import PhaseSplit, SplitPolicy
 from hybrid_pd.router.policies import LeastOutstanding, RequestInfo
 from hybrid_pd.router.registry import Registry, Worker
 
@@ -24,8 +24,8 @@ def _registry(*workers: tuple[str, str], **identity: object) -> Registry:
     return registry
 
 
-def _pairing(registry: Registry, below_tokens: int = 0, limit: int = 2, slo: Slo = Slo()) -> Pairing:
-    return Pairing(registry, LeastOutstanding(), LeastOutstanding(), slo, below_tokens, limit)
+def _pairing(registry: Registry, below_tokens: int = 0, limit: int = 2, policy: SplitPolicy = SplitPolicy()) -> Pairing:
+    return Pairing(registry, LeastOutstanding(), LeastOutstanding(), PhaseSplit(policy), below_tokens, limit)
 
 
 def test_the_decode_worker_is_an_available_untried_one_under_its_limit():
@@ -86,44 +86,43 @@ def test_a_lease_held_by_a_block_is_released_when_it_raises_and_not_again_after(
     assert (worker.inflight, worker.inflight_tokens) == (0, 0)
 
 
-def test_flexible_workers_decode_and_prefill_for_each_other_but_never_for_themselves():
+def test_flexible_workers_serve_whole_requests_and_prefill_for_dedicated_decoders():
     registry = _registry(("http://f1", "flex"), ("http://f2", "flex"), ("http://p", "prefill"), ("http://d", "decode"))
     f1, f2 = registry.role("flex")
+    decode, prefill = registry.role("decode")[0], registry.role("prefill")[0]
     pairing = _pairing(registry, limit=8)
-    # Any worker that can decode is a decode candidate; the least loaded wins.
-    registry.role("decode")[0].inflight = f1.inflight = 1
-    assert pairing.decode(LONG, tried=()) is f2
-    # A dedicated decode worker takes its prompts from any prefiller: the prefill worker or a flex one.
-    assert pairing.prefill(registry.role("decode")[0], LONG).worker in (f1, f2, registry.role("prefill")[0])
-    # Without a TPOT target a flex worker serves as a replica: it prefills for itself.
-    assert pairing.prefill(f2, LONG) == PrefillChoice(None, "decode_headroom")
+    decode.inflight = f1.inflight = 1
+    assert pairing.decode(LONG, tried=()) is f2  # any worker that can decode; the least loaded
+    assert pairing.prefill(decode, LONG).worker in (f1, f2, prefill)  # a dedicated decoder: any prefiller
+    assert pairing.prefill(f2, LONG) == PrefillChoice(None, "replica")  # no split: a flex worker serves it whole
 
 
-def test_a_flexible_worker_under_tpot_pressure_hands_its_prefill_to_a_worker_decoding_less():
+def test_split_by_phase_the_prefiller_prefills_for_the_other_flex_workers_and_decodes_nothing_new():
     registry = _registry(("http://f1", "flex"), ("http://f2", "flex"))
     f1, f2 = registry.role("flex")
-    pairing = _pairing(registry, limit=8, slo=Slo(tpot_s=0.020, split_above=0.5))
-    for _ in range(3):
-        registry.lease(f1, 100)  # three decodes on f1
-    f1.load.chunk_gap(0.015, now=time.perf_counter())  # its streams at 15 ms per token: past half the 20 ms target
-    assert pairing.prefill(f1, LONG) == PrefillChoice(f2, "decode_pressure")
-    for _ in range(3):
-        registry.lease(f2, 100)  # f2 decodes as many: moving the prefill there helps nobody
-    assert pairing.prefill(f1, LONG) == PrefillChoice(None, "decode_headroom")
+    pairing = _pairing(registry, limit=8, policy=SplitPolicy(ttft_s=0.5, tpot_s=0.02, window=2))
+    held = [registry.lease(f1, 100) for _ in range(3)] + [registry.lease(f2, 100) for _ in range(2)]
+    now = time.perf_counter()
+    f1.load.chunk_gap(0.008, now)
+    f2.load.chunk_gap(0.008, now)
+    for _ in range(2):
+        pairing.split.observe_ttft(0.8)  # TTFT past 500 ms, TPOT 8 ms: room
+    assert pairing.decode(LONG, tried=()) is f1  # f2, decoding fewer, became the prefiller: f1 decodes although busier
+    assert pairing.split.prefiller == f2.id
+    assert pairing.prefill(f1, LONG) == PrefillChoice(f2, "phase_split")
+    registry.record_health(f1, ok=False)  # the only other decoder gone: the prefiller decodes too, whole
+    assert pairing.decode(LONG, tried=()) is f2 and pairing.prefill(f2, LONG) == PrefillChoice(None, "no_prefill_worker")
+    for lease in held:
+        lease.release()
+    assert (f1.load.decodes, f2.load.decodes) == (0, 0)
 
 
-def test_a_lease_counts_decodes_and_the_prefill_queue_and_times_the_prefill_rate():
+def test_a_prefill_lease_is_no_decode():
     registry = Registry()
     worker = registry.add(Worker(url="http://f", role="flex", identity=WorkerIdentity(role="flex")))
-    prefill = registry.lease(worker, 300, "prefill")
-    local = registry.lease(worker, 100, "local")
-    decode = registry.lease(worker, 50, "decode")
-    assert (worker.load.decodes, worker.load.prefill_tokens) == (2, 400)
-    time.sleep(0.01)
-    prefill.prefilled()  # 300 tokens, nothing ahead of them, in >= 10 ms
-    assert worker.load.prefill_tokens == 100 and 0 < worker.load.prefill_rate.value <= 300 / 0.01
-    local.release()  # ended before its first byte: out of the queue, no rate sample
+    prefill, decode = registry.lease(worker, 300, "prefill"), registry.lease(worker, 50)
+    assert (worker.inflight, worker.load.decodes) == (2, 1)
+    decode.release()
     decode.release()
     prefill.release()
-    assert (worker.load.decodes, worker.load.prefill_tokens, worker.inflight) == (0, 0, 0)
-    assert worker.load.view().prefill_wait_s(1000) == pytest.approx(1000 / worker.load.prefill_rate.value)
+    assert (worker.inflight, worker.load.decodes, worker.inflight_tokens) == (0, 0, 0)

@@ -40,6 +40,7 @@ from hybrid_pd.router.disconnect import cancel_on_disconnect
 from hybrid_pd.router.jsoncodec import dumps, loads_strict
 from hybrid_pd.router.metrics import GENERATION, Route, RouterMetrics
 from hybrid_pd.router.pairing import Pairing
+from hybrid_pd.router.phase_split import PhaseSplit
 from hybrid_pd.router.policies import make_policy
 from hybrid_pd.router.registry import ROLES, Registry, Worker
 from hybrid_pd.router.relay import answer_whole, relay_answers
@@ -94,7 +95,7 @@ def create_app(settings: RouterSettings, transport: httpx.AsyncBaseTransport | N
         registry,
         decode_policy=make_policy(settings.decode_policy),
         prefill_policy=make_policy(settings.prefill_policy),
-        slo=settings.slo,
+        split=PhaseSplit(settings.split_policy),
         min_tokens=settings.local_prefill_below_tokens,
         per_worker_limit=settings.max_concurrency_per_worker,
     )
@@ -145,6 +146,7 @@ def create_app(settings: RouterSettings, transport: httpx.AsyncBaseTransport | N
     @app.get("/metrics")
     async def prometheus() -> Response:
         metrics.evictions.set(registry.evictions)
+        metrics.phase_split.set(pairing.split.prefiller is not None)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
@@ -270,7 +272,7 @@ async def _generate(
             else:
                 await client.send({"type": "http.response.start", "status": 200, "headers": [_SSE_TYPE, id_header]})
                 chunks_of = lambda answer: decode_chunks(state, path, answer, request_id)  # noqa: E731
-                await relay_answers(state.metrics, routed, chunks_of, body, arrived, route, client.send)
+                await relay_answers(state.metrics, routed, chunks_of, body, arrived, route, client.send, state.pairing.split.observe_ttft)
         # The message that completes the answer goes out after the block: from then on a server's
         # receive says http.disconnect, which the block would take for the client leaving.
         if whole is None:

@@ -74,6 +74,9 @@ class RouterMetrics:
         self.disaggregated = Counter(
             "hybrid_pd_disaggregated", "Requests prefilled on another worker and pulled, by why (hybrid_pd/router/decider.py)", ["reason"], registry=r
         )
+        self.phase_split = Gauge(
+            "hybrid_pd_phase_split", "1 while the flexible workers are split by phase (hybrid_pd/router/phase_split.py), else 0", registry=r
+        )
         self.retries = Counter("hybrid_pd_retries", "Decode legs retried on another worker", registry=r)
         self.migrations = Counter(
             "hybrid_pd_migrations", "Streams carried to another decode worker after theirs broke or stalled", ["outcome"], registry=r

@@ -5,9 +5,13 @@ that are available (healthy, not draining) and not tried yet for this request, t
 under the per-worker limit; the decode policy picks among them. The prefill candidates are
 the available workers that can prefill (``prefill`` or ``flex``), other than the decode
 worker, that can hand their state to it and are under the limit. The decider
-(:mod:`hybrid_pd.router.decider`) then says, from their live load and the SLOs, whether the
-request gets a prefill leg and which candidates qualify; the prefill policy picks among those.
-Having no prefill worker is not an error: the decode worker prefills locally.
+(:mod:`hybrid_pd.router.decider`) then says whether the request gets a prefill leg and which
+candidates qualify; the prefill policy picks among those. Having no prefill worker is not an
+error: the decode worker prefills locally.
+
+While the router splits its flexible workers by phase (:mod:`hybrid_pd.router.phase_split`),
+the prefiller is left out of the decode candidates (unless it is the only one left) and
+prefills for the others.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from dataclasses import dataclass
 
 from hybrid_pd.common.logs import kv
 from hybrid_pd.common.openai_errors import OpenAIError
-from hybrid_pd.router.decider import Candidate, LocalReason, Slo, SplitReason, decide
+from hybrid_pd.router.decider import LocalReason, SplitReason, decide
+from hybrid_pd.router.phase_split import FlexLoad, PhaseSplit
 from hybrid_pd.router.policies import Policy, RequestInfo
 from hybrid_pd.router.registry import DECODERS, PREFILLERS, Registry, Worker, can_pair
 
@@ -37,15 +42,15 @@ class PrefillChoice:
 
 
 class Pairing:
-    """The pipeline over one registry, with a policy per role, the SLOs and a limit of legs in flight per worker."""
+    """The pipeline over one registry, with a policy per role, the phase split of its flexible workers and a limit of legs in flight per worker."""
 
     def __init__(
-        self, registry: Registry, decode_policy: Policy, prefill_policy: Policy, slo: Slo, min_tokens: int, per_worker_limit: int
+        self, registry: Registry, decode_policy: Policy, prefill_policy: Policy, split: PhaseSplit, min_tokens: int, per_worker_limit: int
     ) -> None:
         self._registry = registry
         self._decode_policy = decode_policy
         self._prefill_policy = prefill_policy
-        self._slo = slo
+        self.split = split
         self._min_tokens = min_tokens
         self._limit = per_worker_limit
 
@@ -61,25 +66,24 @@ class Pairing:
         under_limit = self._under_limit(available)
         if not under_limit:
             raise OpenAIError(429, "every decode worker is at its concurrency limit")
-        return self._decode_policy.choose(under_limit, request)
+        prefiller = self._prefiller()
+        decoders = [w for w in under_limit if w.id != prefiller] or under_limit
+        return self._decode_policy.choose(decoders, request)
 
     def prefill(self, decode: Worker, request: RequestInfo) -> PrefillChoice:
         """The prefill worker for ``request`` to be decoded on ``decode``, or why it is prefilled there."""
-        now = time.perf_counter()
         candidates = {w.id: w for w in self._under_limit(compatible_prefills(self._registry, decode))}
-        decision = decide(
-            request.est_tokens,
-            decode.load.view(now),
-            decode.role == "flex",
-            [Candidate(w.id, w.load.view(now)) for w in candidates.values()],
-            self._slo,
-            self._min_tokens,
-        )
+        decision = decide(request.est_tokens, decode.role == "flex", list(candidates), self._min_tokens, self.split.prefiller)
         if not decision.split:
             if decision.reason == "no_prefill_worker":
                 log.info("no compatible prefill worker available, local prefill %s", kv(decode=decode.url))
             return PrefillChoice(None, decision.reason)
         return PrefillChoice(self._prefill_policy.choose([candidates[i] for i in decision.prefill], request), decision.reason)
+
+    def _prefiller(self) -> str | None:
+        """The phase split brought up to date with the flexible workers' loads now; its prefiller."""
+        now = time.perf_counter()
+        return self.split.update(now, [FlexLoad(w.id, w.load.view(now)) for w in self._registry.role("flex") if w.available])
 
     def _under_limit(self, workers: Iterable[Worker]) -> list[Worker]:
         return [w for w in workers if w.inflight < self._limit]

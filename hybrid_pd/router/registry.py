@@ -36,8 +36,8 @@ ROLES: tuple[RoleName, ...] = get_args(RoleName)
 # Who can take which leg: a flexible worker (vLLM's kv_both) prefills for others and decodes.
 PREFILLERS: tuple[RoleName, ...] = ("prefill", "flex")
 DECODERS: tuple[RoleName, ...] = ("decode", "flex")
-# What a leg does on its worker: prefill for another worker, decode a pulled state, or both (a local prefill).
-LegKind = Literal["prefill", "decode", "local"]
+# What a leg does on its worker: prefill for another worker, or decode (its own prefill included when local).
+LegKind = Literal["prefill", "decode"]
 
 
 @dataclass
@@ -94,33 +94,22 @@ class Lease:
 
     Whichever path ends the leg (its answer closed, an error, the client leaving) releases it,
     and more than one may: the count drops once. As a context manager it is released when the
-    block ends, however it ends. A leg that prefills (``kind`` ``prefill`` or ``local``) holds
-    its prompt tokens in the worker's prefill queue until :meth:`prefilled` (its first token
-    is out), which times the worker's prefill rate; a leg that decodes counts as a decode.
+    block ends, however it ends. A decode leg also counts as one of the worker's decodes.
     """
 
-    __slots__ = ("worker", "_tokens", "_gauge", "_held", "_kind", "_ahead", "_started")
+    __slots__ = ("worker", "_tokens", "_gauge", "_held", "_decodes")
 
     def __init__(self, worker: Worker, tokens: int, gauge: Gauge | None, kind: LegKind = "decode") -> None:
         self.worker = worker
         self._tokens = tokens
         self._gauge = gauge
         self._held = True
-        self._kind = kind
-        self._started = time.perf_counter()
+        self._decodes = kind == "decode"
         worker.inflight += 1
         worker.inflight_tokens += tokens
-        if kind != "prefill":
-            worker.load.decodes += 1
-        self._ahead = worker.load.prefill_started(tokens) if kind != "decode" else None
+        worker.load.decodes += self._decodes
         if gauge is not None:
             gauge.set(worker.inflight)
-
-    def prefilled(self) -> None:
-        """The leg's prompt is prefilled (the prefill leg answered, or a local prefill's first byte came): out of the queue."""
-        if self._ahead is not None:
-            self.worker.load.prefill_done(self._tokens, self._ahead, time.perf_counter() - self._started, ok=True)
-            self._ahead = None
 
     def release(self) -> None:
         """Stop counting the leg; a second call does nothing."""
@@ -129,11 +118,7 @@ class Lease:
         self._held = False
         self.worker.inflight -= 1
         self.worker.inflight_tokens -= self._tokens
-        if self._kind != "prefill":
-            self.worker.load.decodes -= 1
-        if self._ahead is not None:
-            self.worker.load.prefill_done(self._tokens, self._ahead, 0.0, ok=False)
-            self._ahead = None
+        self.worker.load.decodes -= self._decodes
         if self._gauge is not None:
             self._gauge.set(self.worker.inflight)
 

@@ -233,6 +233,7 @@ async def relay_answers(
     arrived: float,
     route: Route,
     send: Send,
+    first_chunk: Callable[[float], None] = lambda seconds: None,
 ) -> None:
     """Stream the decode answer(s) to the client with merged usage, as ``http.response.body`` messages.
 
@@ -256,9 +257,7 @@ async def relay_answers(
                 now = time.perf_counter()
                 if first:
                     metrics.ttft.observe(now - arrived)
-                    for r in routed:
-                        if r.lease is not None:
-                            r.lease.prefilled()  # a local prefill is done at the first byte
+                    first_chunk(now - arrived)
                     first = False
                 else:
                     metrics.itl.observe(now - last)

@@ -243,7 +243,7 @@ async def route(state: RouterState, path: str, body: dict[str, Any], request_id:
         leg_body = encoder.encode(decode_body(body, kv_params, request_id))
         if trace is not None:
             trace.event("decode_sent", rid=request_id)
-        routed = await _decode_leg(state, decode, path, leg_body, headers, info, prefill_usage, attempt, local=kv_params is None)
+        routed = await _decode_leg(state, decode, path, leg_body, headers, info, prefill_usage, attempt)
         if routed is not None:
             if log.isEnabledFor(logging.INFO):  # one line per request: skip formatting it when INFO is off
                 log.info(
@@ -263,10 +263,8 @@ async def _prefill_leg(state: RouterState, prefill: Worker, path: str, leg_body:
     """Send the prefill leg ``leg_body`` to ``prefill``; how it ended."""
     started = time.perf_counter()
     try:
-        with state.registry.lease(prefill, info.est_tokens, "prefill") as lease:
+        with state.registry.lease(prefill, info.est_tokens, "prefill"):
             response = await state.upstream.request("POST", prefill.url + path, json_body=leg_body, headers=headers)
-            if response.status_code == 200:
-                lease.prefilled()
     except httpx.HTTPError as exc:
         log.warning("prefill leg failed, local prefill %s", kv(worker=prefill.url, error=type(exc).__name__))
         state.registry.record_health(prefill, ok=False)
@@ -284,21 +282,10 @@ async def _prefill_leg(state: RouterState, prefill: Worker, path: str, leg_body:
 
 
 async def _decode_leg(
-    state: RouterState,
-    decode: Worker,
-    path: str,
-    leg_body: bytes,
-    headers: dict,
-    info: RequestInfo,
-    prefill_usage: dict | None,
-    attempt: int,
-    local: bool,
+    state: RouterState, decode: Worker, path: str, leg_body: bytes, headers: dict, info: RequestInfo, prefill_usage: dict | None, attempt: int
 ) -> Routed | None:
-    """Send the decode leg and return its open answer; None when ``decode`` failed before answering (a 5xx or no answer).
-
-    ``local``: the decode worker prefills the prompt itself (its lease holds the prompt in its prefill queue until the first byte).
-    """
-    lease = state.registry.lease(decode, info.est_tokens, "local" if local else "decode")
+    """Send the decode leg and return its open answer; None when ``decode`` failed before answering (a 5xx or no answer)."""
+    lease = state.registry.lease(decode, info.est_tokens)
     sent_at = time.perf_counter()
     try:
         response = await state.upstream.request("POST", decode.url + path, json_body=leg_body, headers=headers, stream=True)

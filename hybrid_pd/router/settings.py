@@ -9,7 +9,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from hybrid_pd.common import checks
 from hybrid_pd.common.cli_flags import ENV_ONLY, Flag
-from hybrid_pd.router.decider import Slo
+from hybrid_pd.router.phase_split import SplitPolicy
 from hybrid_pd.router.policies import POLICIES
 
 __all__ = ["RouterSettings"]
@@ -34,7 +34,7 @@ class RouterSettings(BaseSettings):
     )
     flex: list[str] = Field(
         default_factory=list,
-        description="flexible worker URL (repeatable): prefills its own requests, or for another worker when the TPOT SLO asks",
+        description="flexible worker URL (repeatable): serves whole requests, or splits by phase with the others (--slo-ttft-ms, --slo-tpot-ms)",
     )
     connect_timeout_s: Annotated[float, ENV_ONLY] = Field(10.0, description="connect timeout to a worker")
     request_timeout_s: float = Field(600.0, description="per-leg timeout")
@@ -51,15 +51,15 @@ class RouterSettings(BaseSettings):
         256, description="prefix_affinity hashes this many characters of the prompt when the request has no user field"
     )
     local_prefill_below_tokens: int = Field(0, ge=0, description="prompts estimated shorter skip the prefill leg (0: always P/D)")
-    # Adaptive disaggregation (hybrid_pd/router/decider.py): the targets the router routes to.
+    # Flexible workers split by phase (hybrid_pd/router/phase_split.py): the targets the router serves to.
     slo_ttft_ms: float | None = Field(
-        None, gt=0, description="TTFT target: a decode worker prefills locally when every prefill worker's queue would hold the prompt longer"
+        None, gt=0, description="TTFT target: with --slo-tpot-ms, flex workers split by phase while TTFT breaks it and TPOT has room"
     )
-    slo_tpot_ms: float | None = Field(
-        None, gt=0, description="TPOT target: a flex worker hands its prefills to a less busy worker once its streams slow to --split-above-tpot of it"
-    )
-    split_above_tpot: float = Field(
-        0.5, gt=0, le=1, description="the share of --slo-tpot-ms at which a flex worker stops prefilling for itself"
+    slo_tpot_ms: float | None = Field(None, gt=0, description="TPOT target: with --slo-ttft-ms, see above")
+    # Splitting moved every decode onto the other GPU: TPOT 9.4 -> 12.1 ms where it paid (docs/performance.md);
+    # below 0.6 of the target, 1.3x that stays under leave_above (0.8) of it.
+    split_below_tpot: float = Field(
+        0.6, gt=0, le=1, description="flex workers split only while their TPOT is below this share of --slo-tpot-ms"
     )
     # Streams whose decode worker fails (hybrid_pd/router/migration.py)
     migration_limit: int = Field(1, ge=0, description="times a completions stream may move to another decode worker; 0: never")
@@ -102,7 +102,7 @@ class RouterSettings(BaseSettings):
         return name
 
     @property
-    def slo(self) -> Slo:
-        """The targets the decider routes to (:mod:`hybrid_pd.router.decider`), in seconds."""
+    def split_policy(self) -> SplitPolicy:
+        """The phase split's targets (:mod:`hybrid_pd.router.phase_split`), in seconds."""
         ttft, tpot = self.slo_ttft_ms, self.slo_tpot_ms
-        return Slo(None if ttft is None else ttft / 1e3, None if tpot is None else tpot / 1e3, self.split_above_tpot)
+        return SplitPolicy(None if ttft is None else ttft / 1e3, None if tpot is None else tpot / 1e3, self.split_below_tpot)

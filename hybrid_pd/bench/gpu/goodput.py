@@ -87,7 +87,7 @@ CPU_SYSTEMS = {
     "pd": System((("--prefill", "flex0"), ("--decode", "flex1"))),
     "adaptive": System((("--flex", "flex0"), ("--flex", "flex1")), ("--slo-ttft-ms", "--slo-tpot-ms")),
 }
-DECISIONS = ("hybrid_pd_fallbacks_total", "hybrid_pd_disaggregated_total")
+DECISIONS = ("hybrid_pd_fallbacks_total", "hybrid_pd_disaggregated_total")  # the router's choices during a run
 
 
 @dataclass(frozen=True)
@@ -304,20 +304,20 @@ def run(args: argparse.Namespace) -> int:
         for system in systems:
             vllm_bench(state["urls"][system], args.workloads[0], 8, 16, 999, runs_dir / f"warmup-{system}.json", args)
         warm.write_text("")
-    for workload in args.workloads:
-        for level in args.levels:
-            prompts = max(args.min_prompts, args.prompts_per_in_flight * level)
-            for system in systems:
-                url = state["urls"][system]
-                before = _decisions(url)
-                path = runs_dir / f"{system}-{workload.input_len}x{workload.output_len}-c{level}.json"
-                result = vllm_bench(url, workload, level, prompts, seed=level, out=path, args=args)
-                after = _decisions(url)
-                row = {"system": system, "workload": str(workload), "level": level, "prompts": prompts,
-                       "router_decisions": {k: after[k] - before[k] for k in DECISIONS},
-                       "summary": summarize(result, args.slo, gpus)}  # fmt: skip
-                (path.with_suffix(".row.json")).write_text(json.dumps(row, indent=1))
-                print(json.dumps({k: row[k] for k in ("system", "workload", "level", "router_decisions")}), flush=True)
+    points = args.points or [(w, level) for w in args.workloads for level in args.levels]
+    for workload, level in points:
+        prompts = max(args.min_prompts, args.prompts_per_in_flight * level)
+        for system in systems:
+            url = state["urls"][system]
+            before = _decisions(url)
+            path = runs_dir / f"{system}-{workload.input_len}x{workload.output_len}-c{level}.json"
+            result = vllm_bench(url, workload, level, prompts, seed=level, out=path, args=args)
+            after = _decisions(url)
+            row = {"system": system, "workload": str(workload), "level": level, "prompts": prompts,
+                   "router_decisions": {k: after[k] - before[k] for k in DECISIONS},
+                   "summary": summarize(result, args.slo, gpus)}  # fmt: skip
+            (path.with_suffix(".row.json")).write_text(json.dumps(row, indent=1))
+            print(json.dumps({k: row[k] for k in ("system", "workload", "level", "router_decisions")}), flush=True)
     return report(args)
 
 
@@ -366,6 +366,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--systems", default="replicas,pd,pd-conditional,adaptive", type=lambda s: s.split(","))
     ap.add_argument("--workloads", default="1000/512", type=lambda s: [Workload.parse(w) for w in s.split(",")], help="IN/OUT tokens, comma-separated")
     ap.add_argument("--levels", default="1,32", type=lambda s: [int(x) for x in s.split(",")], help="requests in flight")
+    ap.add_argument("--points", type=lambda s: [(Workload.parse(p.split("@")[0]), int(p.split("@")[1])) for p in s.split(",")],
+                    help="IN/OUT@LEVEL, comma-separated, in this order (instead of every workload at every level)")
     ap.add_argument("--slo", action="append", type=_slo, help="TTFT/TPOT ms (repeatable; default 500/20 and 1500/50); the first goes to the routers")
     ap.add_argument("--prompts-per-in-flight", type=int, default=3)
     ap.add_argument("--min-prompts", type=int, default=4)
