@@ -48,6 +48,5 @@ def test_every_system_but_the_baseline_runs_hybrid_pd_on_the_flex_workers():
     argv = {name: system.router_argv(urls, (500, 20), 9000) for name, system in SYSTEMS.items()}
     assert argv["replicas"][-4:] == ["--decode", "http://colocated0", "--decode", "http://colocated1"]
     assert argv["pd"][-4:] == ["--prefill", "http://flex0", "--decode", "http://flex1"]
-    assert argv["pd-conditional"][-2:] == ["--slo-ttft-ms", "500"]
     assert argv["adaptive"][-8:] == ["--flex", "http://flex0", "--flex", "http://flex1", "--slo-ttft-ms", "500", "--slo-tpot-ms", "20"]
     assert str(Workload.parse("3000/128")) == "3000/128"

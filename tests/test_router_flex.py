@@ -76,7 +76,7 @@ async def test_split_by_phase_one_flex_worker_prefills_and_the_other_pulls_the_s
         a.load.chunk_gap(0.008, now)  # both stream at 8 ms per token: room under 20 ms
         b.load.chunk_gap(0.008, now)
         for _ in range(state.settings.split_policy.window):
-            state.pairing.split.observe_ttft(0.9)  # the last requests' first tokens came 900 ms after they arrived
+            state.pairing.split.observe_ttft(time.perf_counter(), 0.9)  # the last requests' first tokens came 900 ms after they arrived
         r = await client.post("/v1/completions", json={"model": "m", "prompt": "x" * 4000, "max_tokens": 3})
         metrics = (await client.get("/metrics")).text
         for lease in held:

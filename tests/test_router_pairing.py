@@ -106,7 +106,7 @@ def test_split_by_phase_the_prefiller_prefills_for_the_other_flex_workers_and_de
     f1.load.chunk_gap(0.008, now)
     f2.load.chunk_gap(0.008, now)
     for _ in range(2):
-        pairing.split.observe_ttft(0.8)  # TTFT past 500 ms, TPOT 8 ms: room
+        pairing.split.observe_ttft(time.perf_counter(), 0.8)  # TTFT past 500 ms, TPOT 8 ms: room
     assert pairing.decode(LONG, tried=()) is f1  # f2, decoding fewer, became the prefiller: f1 decodes although busier
     assert pairing.split.prefiller == f2.id
     assert pairing.prefill(f1, LONG) == PrefillChoice(f2, "phase_split")

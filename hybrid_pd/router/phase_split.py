@@ -13,9 +13,11 @@ back when the split does not help:
   above the TTFT target, and the flexible workers' TPOT is below ``split_below`` of the TPOT
   target; the worker decoding fewest requests becomes the prefiller;
 - **leave, it failed** (split -> replicas, and no new split for ``hold_s``): with ``window``
-  requests seen since the split, their median TTFT is still above the target (one GPU does
-  not keep up with the prompts), or TPOT passed ``leave_above`` of its target (the others do
-  not keep up with the decodes);
+  requests that arrived after the split, their median TTFT is still above the target (one GPU
+  does not keep up with the prompts), or TPOT passed ``leave_above`` of its target (the others
+  do not keep up with the decodes). Requests that arrived before the switch are not counted:
+  on two H100s they carried the queue of the replicas into the split's first window and ended
+  a split that was working (median 517 ms just after it began, at 1000/512 with 64 in flight);
 - **leave, it is quiet**: their median TTFT is below ``quiet_below`` of the target; replicas
   answer sooner at low load (no hand-off).
 
@@ -72,9 +74,12 @@ class PhaseSplit:
     prefiller: str | None = None
     _ttfts: deque[float] = field(default_factory=deque)
     _hold_until: float = 0.0
+    _since: float = float("-inf")  # when the mode last changed: older requests tell of the mode before
 
-    def observe_ttft(self, seconds: float) -> None:
-        """A streamed request's first chunk reached its client ``seconds`` after it reached the router."""
+    def observe_ttft(self, arrived: float, seconds: float) -> None:
+        """A streamed request that reached the router at ``arrived`` (``time.perf_counter()``) sent its first chunk ``seconds`` later."""
+        if arrived < self._since:
+            return
         self._ttfts.append(seconds)
         if len(self._ttfts) > self.policy.window:
             self._ttfts.popleft()
@@ -95,6 +100,7 @@ class PhaseSplit:
             if now >= self._hold_until and ttft > policy.ttft_s and tpot is not None and tpot < policy.split_below * policy.tpot_s:
                 self.prefiller = min(flex, key=lambda f: (f.load.decodes, f.id)).id
                 self._ttfts.clear()
+                self._since = now
                 log.info("phase split on %s", kv(prefiller=self.prefiller, ttft_ms=round(ttft * 1e3), tpot_ms=round(tpot * 1e3, 1)))
             return self.prefiller
         if ttft > policy.ttft_s or (tpot is not None and tpot > policy.leave_above * policy.tpot_s):
@@ -107,6 +113,7 @@ class PhaseSplit:
         log.info("phase split off %s", kv(prefiller=self.prefiller, why=why, hold_s=self.policy.hold_s if hold else 0))
         self.prefiller = None
         self._ttfts.clear()
+        self._since = now
         if hold:
             self._hold_until = now + self.policy.hold_s
         return None

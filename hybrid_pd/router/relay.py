@@ -233,7 +233,7 @@ async def relay_answers(
     arrived: float,
     route: Route,
     send: Send,
-    first_chunk: Callable[[float], None] = lambda seconds: None,
+    first_chunk: Callable[[float, float], None] = lambda arrived, seconds: None,
 ) -> None:
     """Stream the decode answer(s) to the client with merged usage, as ``http.response.body`` messages.
 
@@ -257,7 +257,7 @@ async def relay_answers(
                 now = time.perf_counter()
                 if first:
                     metrics.ttft.observe(now - arrived)
-                    first_chunk(now - arrived)
+                    first_chunk(arrived, now - arrived)
                     first = False
                 else:
                     metrics.itl.observe(now - last)

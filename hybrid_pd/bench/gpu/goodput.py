@@ -4,7 +4,7 @@ Run on a machine with two NVIDIA GPUs and vLLM + NIXL installed (real scale: bui
 first with ``python -m hybrid_pd.models.families /tmp/full --full nemotron_h``)::
 
     python3 -m hybrid_pd.bench.gpu.goodput run --out DIR --model /tmp/full/nemotron_h \\
-        --workloads 3000/128,1000/64,1000/512,200/1000 --levels 1,16,32,64 --systems replicas,pd,adaptive
+        --workloads 3000/128,1000/64,1000/512,200/1000 --levels 1,32,64 --systems replicas,pd,adaptive
     python3 -m hybrid_pd.bench.gpu.goodput report --out DIR      # the table again, from DIR/runs
     python3 -m hybrid_pd.bench.gpu.goodput down --out DIR        # stop the servers
 
@@ -16,8 +16,7 @@ flexible worker (``hybrid-pd flex``, vLLM's ``kv_both``) on each GPU. Every syst
 |---|---|---|
 | ``replicas`` | both colocated servers | "just run vLLM replicas", the baseline |
 | ``pd`` | flex on GPU 0 as prefill, flex on GPU 1 as decode | a fixed 1 prefill + 1 decode split |
-| ``pd-conditional`` | the same, with ``--slo-ttft-ms`` | the decode worker prefills itself when the prefill queue would break the TTFT target |
-| ``adaptive`` | both flex workers, with both SLOs | each request whole on one worker, split when a worker's TPOT nears its target |
+| ``adaptive`` | both flex workers, with both SLOs | replicas, split by phase while TTFT breaks its target and TPOT has room (``hybrid_pd/router/phase_split.py``) |
 
 At every workload (fixed input/output lengths, ``--ignore-eos``) and level (requests in flight),
 the systems run one after another on the same prompts through ``vllm bench serve``'s own code
@@ -79,7 +78,6 @@ class System:
 SYSTEMS = {
     "replicas": System((("--decode", "colocated0"), ("--decode", "colocated1"))),
     "pd": System((("--prefill", "flex0"), ("--decode", "flex1"))),
-    "pd-conditional": System((("--prefill", "flex0"), ("--decode", "flex1")), ("--slo-ttft-ms",)),
     "adaptive": System((("--flex", "flex0"), ("--flex", "flex1")), ("--slo-ttft-ms", "--slo-tpot-ms")),
 }
 CPU_SYSTEMS = {
@@ -363,7 +361,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--model", type=Path, help="checkpoint (default on CPU: the embedded model)")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    ap.add_argument("--systems", default="replicas,pd,pd-conditional,adaptive", type=lambda s: s.split(","))
+    ap.add_argument("--systems", default="replicas,pd,adaptive", type=lambda s: s.split(","))
     ap.add_argument("--workloads", default="1000/512", type=lambda s: [Workload.parse(w) for w in s.split(",")], help="IN/OUT tokens, comma-separated")
     ap.add_argument("--levels", default="1,32", type=lambda s: [int(x) for x in s.split(",")], help="requests in flight")
     ap.add_argument("--points", type=lambda s: [(Workload.parse(p.split("@")[0]), int(p.split("@")[1])) for p in s.split(",")],
