@@ -20,7 +20,7 @@ FLAGS = [
     "--gpu-memory-utilization", "--cpu-threads-bind", "--ready-timeout-s", "--kv-lease-s", "--ucx-net-devices",
     "--merge-descriptors", "--no-merge-descriptors", "--pull-await-us", "--nixl-trace-dir", "--timeline-dir", "--decode-row-fix", "--router-url",
     "--router-every-address", "--no-router-every-address", "--advertise-url",
-    "--drain-timeout-s", "--speculative-config", "--vllm-arg", "--dry-run",
+    "--drain-timeout-s", "--start-stall-s", "--serve-stall-s", "--speculative-config", "--vllm-arg", "--dry-run",
 ]  # fmt: skip
 
 

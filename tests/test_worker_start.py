@@ -7,6 +7,7 @@ in seconds; tests/e2e/test_worker_start_failure.py starts the real one.
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -55,6 +56,49 @@ def test_a_dead_side_channel_listener_fails_the_worker_at_once(model_dir, monkey
     assert code != 0
     assert time.monotonic() - started < 60, "the worker waited for a server that could never get ready"
     assert "will not become ready" in caplog.text and "Address already in use" in caplog.text
+
+
+def _run_stand_in(monkeypatch, model_dir, program: str, **settings) -> tuple[int, float]:
+    """``run_worker`` with ``program`` (Python) in vLLM's place; its exit code and how long it ran."""
+    monkeypatch.setattr(worker, "build_launch", lambda spec: Launch(argv=[sys.executable, "-c", program], env={}))
+    monkeypatch.setattr(worker, "with_capabilities", lambda spec, fix: spec)  # no vLLM to probe: a stand-in starts
+    settings = WorkerSettings(model=str(model_dir), port=free_port(), side_channel_port=free_port(), ready_timeout_s=60, **settings)
+    started = time.monotonic()
+    return run_worker("decode", settings), time.monotonic() - started
+
+
+def test_a_model_worker_killed_and_left_a_zombie_ends_the_worker_at_once_naming_it(model_dir, monkeypatch, caplog):
+    """Issue #27 as /proc showed it: the model worker died mid-start, a zombie its engine core never reaped; vLLM
+    printed nothing more. Helpers that vLLM starts and that end (here: ``true``) do not count."""
+    stand_in = (
+        "import os, signal, subprocess, sys, time\n"
+        "subprocess.run(['true'])\n"
+        "child = subprocess.Popen(['bash', '-c', 'exec -a VLLM::Worker sleep 600'])\n"
+        "time.sleep(1.5)\n"
+        "print(f'(Worker pid={child.pid}) INFO Using cpu Mamba SSU backend.', flush=True)\n"
+        "os.kill(child.pid, signal.SIGKILL)\n"
+        "time.sleep(600)\n"  # never reaps it
+    )
+    code, took = _run_stand_in(monkeypatch, model_dir, stand_in)
+    assert code == worker.EXIT_VLLM_FAILED
+    assert took < 20, "the worker waited for a vLLM that had lost its model worker"
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("vLLM ended")]
+    assert re.search(r"VLLM::Worker \(pid \d+\) was killed by SIGKILL and is left a zombie by vLLM's API server", line), line
+    assert line.rstrip().endswith("Using cpu Mamba SSU backend."), "vLLM's last lines follow"
+
+
+def test_a_start_that_prints_only_waiting_lines_is_ended_after_the_stall_window(model_dir, monkeypatch, caplog):
+    stand_in = (
+        "import time\n"
+        "print('INFO loading', flush=True)\n"
+        "while True:\n"
+        "    time.sleep(0.5)\n"
+        "    print('WARNING No available shared memory broadcast block found in 60 seconds.', flush=True)\n"
+    )
+    code, took = _run_stand_in(monkeypatch, model_dir, stand_in, start_stall_s=3)
+    assert code == worker.EXIT_VLLM_FAILED
+    assert 3 <= took < 15
+    assert "printed nothing and did not answer /health for 3 s while starting" in caplog.text
 
 
 def test_a_pd_worker_refuses_a_mamba1_model_before_vllm_starts(tmp_path):

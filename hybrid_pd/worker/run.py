@@ -2,8 +2,10 @@
 
 ``hybrid-pd prefill|decode|colocated`` run :func:`run_worker` with their role. It
 starts vLLM as a child in its own process group, relays its output, reports
-readiness, stops vLLM on SIGTERM/SIGINT and, when vLLM fails to start, exits
-non-zero with the lines of vLLM's log that say why.
+readiness, stops vLLM on SIGTERM/SIGINT, and watches it (:mod:`hybrid_pd.worker.supervise`):
+when a process of vLLM dies or hangs, or vLLM cannot start, it stops vLLM and exits non-zero
+with one line that says what happened and vLLM's last lines, so whatever runs the worker
+(``hybrid-pd up``, Compose, Kubernetes) starts it again.
 """
 
 from __future__ import annotations
@@ -14,13 +16,18 @@ import logging
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
 
 from hybrid_pd.common.logs import error_lines, kv
-from hybrid_pd.common.processes import spawn, stop_group, wait_http_ok
+from hybrid_pd.common.processes import (
+    process_group,
+    remove_unmapped,
+    shared_memory_of,
+    spawn,
+    stop_group,
+)
 from hybrid_pd.connector.compat import IncompatibleWorkers
 from hybrid_pd.connector.identity import worker_identity
 from hybrid_pd.connector.launch import Role, WorkerSpec, build_launch, dtype
@@ -28,26 +35,26 @@ from hybrid_pd.connector.model_check import check_model
 from hybrid_pd.connector.vllm.capabilities import checked
 from hybrid_pd.worker.registration import RouterLink, block_size, running_requests
 from hybrid_pd.worker.settings import WorkerSettings
+from hybrid_pd.worker.supervise import (
+    HttpChecks,
+    Observation,
+    OutputRelay,
+    WatchState,
+    Windows,
+    judge,
+)
 
-__all__ = ["run_worker"]
+__all__ = ["EXIT_VLLM_FAILED", "run_worker"]
 
 log = logging.getLogger("hybrid_pd.worker")
 
-
-# vLLM lines after which it will never become ready, though its process lives on: the NIXL
-# side-channel listener is a thread; when it dies (its port taken), the engine waits for it forever.
-_FATAL_LINES = ("Exception in thread nixl_handshake_listener",)
-
-
-def _relay(stream, tail: collections.deque[str], fatal: threading.Event) -> None:
-    """Copy vLLM's output to ours, keep its tail, and set ``fatal`` on a line vLLM cannot recover from."""
-    for raw in iter(stream.readline, b""):
-        line = raw.decode(errors="replace")
-        tail.append(line.rstrip("\n"))
-        if line.startswith(_FATAL_LINES):
-            fatal.set()
-        sys.stdout.write(line)
-        sys.stdout.flush()
+# How often vLLM's process group is read from /proc: a death is seen within this (a read costs ~3 ms).
+_POLL_S = 0.5
+# The exit code of a worker whose vLLM died, hung or could not start (2: refused before vLLM started).
+EXIT_VLLM_FAILED = 3
+# How long a failed vLLM may take to stop on SIGTERM: one that lost a process may never finish its
+# own shutdown (its API server, mid-start, ignored SIGTERM for the 15 s a healthy stop gets).
+_FAILED_STOP_GRACE_S = 5.0
 
 
 def _side_channel_in_use(spec: WorkerSpec) -> str | None:
@@ -62,8 +69,16 @@ def _side_channel_in_use(spec: WorkerSpec) -> str | None:
     return None
 
 
-def _why_it_failed(tail: collections.deque[str], limit: int = 8) -> str:
-    return "\n".join(error_lines(tail, limit) or list(tail)[-limit:])
+def _why_it_failed(tail: collections.deque[str], last: int = 8, earlier_errors: int = 4) -> str:
+    """vLLM's last lines, after its last lines that say why it failed (tracebacks, lines logged at ERROR) where those came earlier.
+
+    A process killed by a signal says nothing itself: vLLM's last lines show where it was.
+    """
+    lines = list(tail)
+    cut = max(0, len(lines) - last)
+    errors = set(error_lines(lines, len(lines)))
+    before = [line for line in lines[:cut] if line in errors or " ERROR " in line or " CRITICAL " in line]
+    return "\n".join(before[-earlier_errors:] + lines[cut:])
 
 
 def _drain(link: RouterLink | None, vllm_url: str, timeout_s: float) -> None:
@@ -106,7 +121,7 @@ def with_capabilities(spec: WorkerSpec, decode_row_fix: str) -> WorkerSpec | Non
 
 
 def run_worker(role: Role, settings: WorkerSettings) -> int:
-    """Run one vLLM server for ``role`` until it exits or we are told to stop; return the exit code."""
+    """Run one vLLM server for ``role`` until it fails or we are told to stop; return the exit code."""
     spec = settings.spec(role)
     if (taken := _side_channel_in_use(spec)) is not None:
         log.error("cannot start vLLM: %s; give each worker on a host its own --side-channel-port", taken)
@@ -122,10 +137,7 @@ def run_worker(role: Role, settings: WorkerSettings) -> int:
     log.info("starting vLLM %s", kv(role=role, port=settings.port, side_channel=settings.side_channel_port))
     log.info("vLLM command: %s", " ".join(launch.argv))
     proc = spawn(launch.argv, launch.env, log=subprocess.PIPE)
-    tail: collections.deque[str] = collections.deque(maxlen=400)
-    fatal = threading.Event()
-    relay = threading.Thread(target=_relay, args=(proc.stdout, tail, fatal), daemon=True)
-    relay.start()
+    relay = OutputRelay(proc.stdout)
 
     stopping = threading.Event()
 
@@ -136,39 +148,74 @@ def run_worker(role: Role, settings: WorkerSettings) -> int:
         signal.signal(sig, _stop)
 
     vllm_url = f"http://{settings.host}:{settings.port}"
+    windows = Windows(settings.start_stall_s, settings.serve_stall_s, settings.ready_timeout_s)
+    # Ten checks a window: a failing /health is timed to a tenth of it.
+    checks = HttpChecks(vllm_url, spec.served_model_name, interval_s=min(5.0, max(0.5, settings.serve_stall_s / 10)),
+                        request_timeout_s=min(5.0, settings.serve_stall_s / 2))  # fmt: skip
+    state = WatchState(spawned_at=time.monotonic())
     link: RouterLink | None = None
-    if wait_http_ok(vllm_url + "/health", lambda: proc.poll() is None and not stopping.is_set() and not fatal.is_set(), settings.ready_timeout_s):
-        log.info("ready %s", kv(role=role, url=vllm_url))
-        if settings.router_url and role != "colocated":
-            identity = worker_identity(spec, block_size(vllm_url))
-            link = RouterLink(
-                settings.router_urls,
-                settings.advertise_url or vllm_url,
-                identity,
-                settings.admin_token,
-                settings.heartbeat_interval_s,
-                every_address=settings.router_every_address,
-            )
-            link.start()
-    elif not stopping.is_set():
-        stop_group(proc)
-        relay.join(timeout=5)
-        if fatal.is_set():
-            reason = "failed and will not become ready"
-        elif proc.returncode not in (None, -signal.SIGTERM):
-            reason = "exited"
-        else:
-            reason = "did not become ready"
-        log.error("vLLM %s (%s):\n%s", reason, kv(role=role, code=proc.returncode), _why_it_failed(tail))
-        return proc.returncode or 1
-
-    while not stopping.is_set() and proc.poll() is None:
-        stopping.wait(0.5)
-    if proc.poll() is not None:
-        relay.join(timeout=5)
-        log.error("vLLM exited %s:\n%s", kv(role=role, code=proc.returncode), _why_it_failed(tail))
-        return proc.returncode or 1
+    ready = False
+    segments: set[str] = set()  # shared memory vLLM's processes mapped, removed if a failure leaves it behind
+    failure: str | None = None
+    while not stopping.is_set():
+        state, decision = judge(state, _observe(proc, relay, checks), windows)
+        if (failure := decision.failure) is not None:
+            break
+        if decision.probe:
+            checks.probe()
+        if not ready and checks.ready_at is not None:
+            ready = True
+            segments = shared_memory_of(process_group(proc.pid))  # a process that dies later maps nothing any more
+            link = _ready(role, settings, spec, vllm_url)
+        stopping.wait(_POLL_S)
+    checks.stop()
+    if failure is not None:
+        relay.join(0.5)  # what a dying process wrote last may still be in the pipe
+        log.error("vLLM ended (%s): %s; its last lines:\n%s", kv(role=role, pid=proc.pid), failure, _why_it_failed(relay.tail))
+        if link is not None:
+            link.drain()
+            link.deregister()
+        segments |= shared_memory_of(process_group(proc.pid))
+        stop_group(proc, grace_s=_FAILED_STOP_GRACE_S)
+        if removed := remove_unmapped(segments):
+            log.info("removed the shared memory vLLM left %s", kv(role=role, files=",".join(removed)))
+        return EXIT_VLLM_FAILED
     log.info("stopping %s", kv(role=role))
     _drain(link, vllm_url, settings.drain_timeout_s)
     stop_group(proc)
     return 0
+
+
+def _ready(role: Role, settings: WorkerSettings, spec: WorkerSpec, vllm_url: str) -> RouterLink | None:
+    """vLLM answered /health: say so, and register with the routers (P/D roles) and heartbeat."""
+    log.info("ready %s", kv(role=role, url=vllm_url))
+    if not settings.router_url or role == "colocated":
+        return None
+    link = RouterLink(
+        settings.router_urls,
+        settings.advertise_url or vllm_url,
+        worker_identity(spec, block_size(vllm_url)),
+        settings.admin_token,
+        settings.heartbeat_interval_s,
+        every_address=settings.router_every_address,
+    )
+    link.start()
+    return link
+
+
+def _observe(proc: subprocess.Popen, relay: OutputRelay, checks: HttpChecks) -> Observation:
+    """What is seen of vLLM now; /proc before Popen.poll, which reaps a dead API server and so hides its zombie."""
+    group = process_group(proc.pid)
+    return Observation(
+        at=time.monotonic(),
+        leader=proc.pid,
+        group=group,
+        output_at=relay.output_at,
+        leader_returncode=proc.poll(),
+        fatal_line=relay.fatal_line,
+        ready_at=checks.ready_at,
+        health_ok_at=checks.health_ok_at,
+        engine=checks.engine,
+        probe_sent_at=checks.probe_sent_at,
+        probe_answered_at=checks.probe_answered_at,
+    )

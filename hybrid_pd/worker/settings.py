@@ -84,6 +84,20 @@ class WorkerSettings(BaseSettings):
     # Tuning the environment sets when needed; no flag of its own.
     heartbeat_interval_s: Annotated[float, ENV_ONLY] = Field(5.0, description="seconds between heartbeats to the router")
     drain_timeout_s: float = Field(30.0, description="on SIGTERM, wait this long for in-flight requests")
+    # Why these defaults: docs/reliability.md (what start steps and serving were measured to take).
+    start_stall_s: float = Field(
+        300.0,
+        gt=0,
+        description="a starting vLLM that prints nothing, or has a process stopped, for this many seconds is ended as "
+        "hung: the worker exits 3",
+    )
+    serve_stall_s: float = Field(
+        60.0,
+        gt=0,
+        description="a serving vLLM whose /health fails, whose engine holds requests without progress (and leaves a "
+        "one-token request unanswered), or that has a process stopped, for this many seconds is ended as hung: the "
+        "worker exits 3",
+    )
     speculative_config: str | None = Field(
         None,
         description="speculative decoding, vLLM's --speculative-config JSON (e.g. {\"method\": \"mtp\", "

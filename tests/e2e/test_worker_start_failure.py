@@ -20,8 +20,8 @@ def test_worker_exits_nonzero_with_the_error_lines_when_vllm_fails(tmp_path):
             "--side-channel-port", str(free_port())]  # fmt: skip
     result = subprocess.run(argv, capture_output=True, text=True, timeout=500)
     assert result.returncode != 0
-    summary = result.stderr.split("vLLM exited", 1)
+    summary = result.stderr.split("vLLM ended", 1)
     assert len(summary) == 2, result.stderr[-2000:]
     lines = summary[1].strip().splitlines()
-    assert 1 <= len(lines) <= 9, "a few lines, not the whole log"
+    assert 1 <= len(lines) <= 13, "a few lines, not the whole log"
     assert any("no_such_architecture" in line or "Error" in line for line in lines)

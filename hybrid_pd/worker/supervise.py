@@ -1,0 +1,337 @@
+"""Whether a worker's vLLM still works, decided from /proc, its output and its HTTP server.
+
+Why this exists (issue #27): vLLM does not always notice its own faults. A model-worker process
+died during start-up, left a zombie of its engine core, and the engine core logged "No available
+shared memory broadcast block found in 60 seconds" for ten minutes while the worker service waited
+for a /health that never came. A worker that hangs is not one that exited, so neither
+``hybrid-pd up`` nor Compose nor Kubernetes restarted it. Here the worker service watches all of
+vLLM's process group and its progress, and ends vLLM the moment one of these holds:
+
+- a process of vLLM's that lives as long as vLLM (its API server, the worker's child, and every
+  process vLLM names ``VLLM::...``: engine core, model workers) dies: exits, is killed, or is left a
+  zombie. Short-lived helpers (multiprocessing's resource tracker, compiler subprocesses, probes)
+  may come and go: they are not watched;
+- one of those processes stays stopped (SIGSTOP) for the phase's window;
+- while starting: vLLM prints nothing for ``start_stall_s`` (lines that only say it is waiting for
+  another process do not count), or is not ready after ``ready_timeout_s``;
+- while serving: /health does not answer 200 for ``serve_stall_s``, or vLLM's /metrics shows
+  requests running or waiting and no engine progress for ``serve_stall_s``. vLLM sets those gauges at
+  its engine steps, so a gauge can be stale on an idle engine: after half the window without
+  progress a one-token request is sent, and its answer counts as progress. Requests only waiting
+  for a remote KV transfer do not end a worker either: the probe runs beside them.
+
+:func:`judge` decides, a pure function of the state so far and one :class:`Observation`;
+:class:`OutputRelay` and :class:`HttpChecks` gather what observations hold.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import IO
+
+from hybrid_pd.common.processes import Proc, describe_status
+from hybrid_pd.common.prom import metric_sum
+
+__all__ = [
+    "Decision",
+    "EngineLoad",
+    "HttpChecks",
+    "Observation",
+    "OutputRelay",
+    "WatchState",
+    "Windows",
+    "engine_load",
+    "judge",
+    "watched",
+]
+
+# vLLM names its long-lived processes "<prefix>::<name>" (setproctitle; vllm.utils.system_utils).
+TITLE_PREFIX = os.environ.get("VLLM_PROCESS_NAME_PREFIX", "VLLM") + "::"
+
+# Lines vLLM repeats while it waits for another of its processes: they show no progress of their own.
+# The first is what the engine core logged once a minute for ten minutes in issue #27.
+WAITING_LINES = (
+    "No available shared memory broadcast block found",
+    "core engine proc(s) to start",
+    "core engine proc(s) to connect",
+)
+
+# vLLM lines after which it will never become ready, though its process lives on: the NIXL
+# side-channel listener is a thread; when it dies (its port taken), the engine waits for it forever.
+FATAL_LINES = ("Exception in thread nixl_handshake_listener",)
+
+# Counters that move whenever vLLM's engine works: tokens computed, requests finished, KV blocks taken
+# (a chunked prefill moves only the last until its first token).
+PROGRESS_METRICS = (
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:request_success_total",
+    "vllm:kv_cache_usage_perc",
+)
+
+ProcKey = tuple[int, int]  # (pid, start time): a pid the kernel handed out again is another process
+
+
+@dataclass(frozen=True)
+class Windows:
+    """How long each kind of silence may last (the worker's settings of the same names)."""
+
+    start_stall_s: float
+    serve_stall_s: float
+    ready_timeout_s: float
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """One reading of vLLM's /metrics: requests its engine holds, and counters that move as it works."""
+
+    requests: int
+    progress: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What the worker service sees of its vLLM at one moment (monotonic seconds)."""
+
+    at: float
+    leader: int  # vLLM's API server, our child, whose pid is the group's id
+    group: Mapping[int, Proc]  # every process of vLLM's group now, zombies included
+    output_at: float  # when vLLM last printed something other than a waiting line
+    leader_returncode: int | None = None  # the API server's exit code once we reaped it (Popen's sign convention)
+    fatal_line: str | None = None
+    ready_at: float | None = None  # when /health first answered 200
+    health_ok_at: float | None = None  # when /health last answered 200
+    engine: EngineLoad | None = None  # the latest /metrics reading
+    probe_sent_at: float | None = None  # the latest one-token request, sent ...
+    probe_answered_at: float | None = None  # ... and answered
+
+
+@dataclass(frozen=True)
+class WatchState:
+    """What :func:`judge` remembers between observations."""
+
+    spawned_at: float
+    watched: Mapping[ProcKey, Proc] = field(default_factory=dict)  # long-lived processes, as last seen alive
+    stopped_since: Mapping[ProcKey, float] = field(default_factory=dict)
+    engine: EngineLoad | None = None
+    progress_at: float | None = None  # serving: the engine's last progress, or last time it held no request
+
+
+@dataclass(frozen=True)
+class Decision:
+    """``failure``: why vLLM is ended (one line), None while it works; ``probe``: send a one-token request now."""
+
+    failure: str | None = None
+    probe: bool = False
+
+
+def watched(proc: Proc, leader: int) -> bool:
+    """Whether a death of ``proc`` ends vLLM: its API server and the processes vLLM names, not helpers."""
+    return proc.pid == leader or proc.title.startswith(TITLE_PREFIX)
+
+
+def _name(proc: Proc, leader: int) -> str:
+    return "vLLM's API server" if proc.pid == leader else proc.title.split()[0]
+
+
+def _returncode_status(returncode: int) -> int:
+    """Popen's exit code (negative: the signal) as the waitpid(2) status describe_status reads."""
+    return -returncode if returncode < 0 else returncode << 8
+
+
+def _death(before: Proc, obs: Observation) -> str | None:
+    """How a watched process ended, or None while it lives."""
+    now = obs.group.get(before.pid)
+    who = f"{_name(before, obs.leader)} (pid {before.pid})"
+    if now is not None and now.started == before.started:
+        if not now.zombie:
+            return None
+        parent = obs.group.get(now.ppid)
+        by = f" by {_name(parent, obs.leader)} (pid {parent.pid})" if parent is not None else ""
+        return f"{who} {describe_status(now.status)} and is left a zombie{by}"
+    if before.pid == obs.leader and obs.leader_returncode is not None:
+        return f"{who} {describe_status(_returncode_status(obs.leader_returncode))}"
+    return f"{who} is gone; its parent reaped it before its exit status could be read"
+
+
+def _track(state: WatchState, obs: Observation, window_s: float) -> tuple[dict[ProcKey, Proc], dict[ProcKey, float], list[str]]:
+    """The watched processes alive now, since when each stopped one is stopped, and the failures among them."""
+    failures = []
+    alive: dict[ProcKey, Proc] = {}
+    for key, before in state.watched.items():
+        if (how := _death(before, obs)) is not None:
+            failures.append(how)
+        else:
+            alive[key] = obs.group[before.pid]
+    for proc in obs.group.values():
+        if not proc.zombie and watched(proc, obs.leader):
+            alive.setdefault((proc.pid, proc.started), proc)
+    stopped = {key: state.stopped_since.get(key, obs.at) for key, proc in alive.items() if proc.stopped}
+    for key, since in stopped.items():
+        if obs.at - since >= window_s:
+            failures.append(f"{_name(alive[key], obs.leader)} (pid {key[0]}) has been stopped (SIGSTOP) for {obs.at - since:.0f} s")
+    return alive, stopped, failures
+
+
+def _engine(state: WatchState, obs: Observation, window_s: float) -> tuple[float | None, list[str], bool]:
+    """Serving: the engine's last progress, the failure if it made none for the window with requests held, whether to probe."""
+    reading = obs.engine
+    progress_at = state.progress_at if state.progress_at is not None else obs.at
+    if reading is None or reading.requests == 0 or state.engine is None or reading.progress != state.engine.progress:
+        progress_at = obs.at
+    if obs.probe_answered_at is not None and obs.probe_answered_at > progress_at:
+        progress_at = obs.probe_answered_at
+    still = obs.at - progress_at
+    if reading is None or reading.requests == 0 or still < window_s / 2:
+        return progress_at, [], False
+    if still < window_s:
+        return progress_at, [], obs.probe_sent_at is None or obs.probe_sent_at < progress_at
+    unanswered = (
+        f", nor an answer to a one-token request sent {obs.at - obs.probe_sent_at:.0f} s ago"
+        if obs.probe_sent_at is not None and obs.probe_sent_at >= progress_at
+        else ""
+    )
+    return progress_at, [f"{reading.requests} request(s) running or waiting and no engine progress for {still:.0f} s{unanswered}"], False
+
+
+def judge(state: WatchState, obs: Observation, windows: Windows) -> tuple[WatchState, Decision]:
+    """The state after ``obs`` and what to do: end vLLM (why, one line), probe it, or nothing."""
+    serving = obs.ready_at is not None
+    window_s = windows.serve_stall_s if serving else windows.start_stall_s
+    alive, stopped, failures = _track(state, obs, window_s)
+    if obs.fatal_line is not None:
+        failures.insert(0, f"vLLM failed and will not become ready: {obs.fatal_line}")
+    probe = False
+    progress_at = state.progress_at
+    if not serving:
+        silent = obs.at - max(obs.output_at, state.spawned_at)
+        if silent >= windows.start_stall_s:
+            failures.append(f"vLLM printed nothing and did not answer /health for {silent:.0f} s while starting")
+        elif obs.at - state.spawned_at >= windows.ready_timeout_s:
+            failures.append(f"vLLM did not become ready within {windows.ready_timeout_s:.0f} s")
+    else:
+        healthy_at = max(obs.health_ok_at or 0.0, obs.ready_at or 0.0)
+        if obs.at - healthy_at >= windows.serve_stall_s:
+            failures.append(f"vLLM's /health has not answered 200 for {obs.at - healthy_at:.0f} s")
+        progress_at, stalled, probe = _engine(state, obs, windows.serve_stall_s)
+        failures += stalled
+    new = dataclasses.replace(state, watched=alive, stopped_since=stopped, engine=obs.engine, progress_at=progress_at)
+    return new, Decision("; ".join(failures) or None, probe and not failures)
+
+
+def engine_load(metrics_text: str) -> EngineLoad:
+    """vLLM's /metrics as an :class:`EngineLoad`."""
+    requests = metric_sum(metrics_text, "vllm:num_requests_running") + metric_sum(metrics_text, "vllm:num_requests_waiting")
+    return EngineLoad(round(requests), tuple(metric_sum(metrics_text, name) for name in PROGRESS_METRICS))
+
+
+class OutputRelay:
+    """Copies vLLM's output to ours as it comes, keeps its last lines, and notes when it last showed progress.
+
+    Reads whatever bytes are there, not whole lines: a progress bar that redraws itself with
+    carriage returns (loading weights, capturing CUDA graphs) shows progress before its newline.
+    """
+
+    def __init__(self, stream: IO[bytes], tail_lines: int = 400) -> None:
+        self.tail: deque[str] = deque(maxlen=tail_lines)
+        self.output_at = time.monotonic()
+        self.fatal_line: str | None = None
+        self._stream = stream
+        self._thread = threading.Thread(target=self._run, name="vllm-output", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        pending = b""
+        out = getattr(sys.stdout, "buffer", None)
+        while chunk := self._stream.read1(65536):  # type: ignore[attr-defined]
+            if out is not None:
+                out.write(chunk)
+                out.flush()
+            else:  # a text stream without bytes underneath (a test's capture)
+                sys.stdout.write(chunk.decode(errors="replace"))
+            *lines, pending = (pending + chunk).split(b"\n")
+            progress = b"\r" in pending  # a progress bar redrawn in place
+            if (redrawn := pending.rfind(b"\r", 0, len(pending) - 1)) >= 0:
+                pending = pending[redrawn + 1 :]  # what a terminal would show of it
+            for raw in lines:
+                line = raw.rstrip(b"\r").rsplit(b"\r", 1)[-1].decode(errors="replace")  # a redrawn bar's last state
+                self.tail.append(line)
+                if line.startswith(FATAL_LINES) and self.fatal_line is None:
+                    self.fatal_line = line
+                progress = progress or not any(mark in line for mark in WAITING_LINES)
+            if progress:
+                self.output_at = time.monotonic()
+
+    def join(self, timeout_s: float) -> None:
+        """Wait until vLLM's output ends (every process that holds it closed it) or ``timeout_s`` passes."""
+        self._thread.join(timeout_s)
+
+
+class HttpChecks:
+    """Asks vLLM's HTTP server, from a thread of its own: /health, then /metrics, and one-token requests when asked.
+
+    Before it is ready /health is asked every half second (as the wait for readiness always
+    did); afterwards every ``interval_s``. Results are times (monotonic) read by the supervising loop.
+    """
+
+    def __init__(self, url: str, model: str, interval_s: float, request_timeout_s: float) -> None:
+        self.url, self.model = url, model
+        self.interval_s, self.request_timeout_s = interval_s, request_timeout_s
+        self.ready_at: float | None = None
+        self.health_ok_at: float | None = None
+        self.engine: EngineLoad | None = None
+        self.probe_sent_at: float | None = None
+        self.probe_answered_at: float | None = None
+        self._probing = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="vllm-checks", daemon=True)
+        self._thread.start()
+
+    def _get(self, path: str) -> str | None:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=self.request_timeout_s) as resp:
+                return resp.read().decode() if resp.status == 200 else None
+        except (urllib.error.URLError, OSError, ValueError):
+            return None
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            ok = self._get("/health") is not None
+            if ok:
+                self.health_ok_at = time.monotonic()
+                self.ready_at = self.ready_at or self.health_ok_at
+            if self.ready_at is not None and (text := self._get("/metrics")) is not None:
+                self.engine = engine_load(text)
+            self._stop.wait(self.interval_s if self.ready_at is not None else 0.5)
+
+    def probe(self) -> None:
+        """Send one one-token request in the background unless one is under way; its answer sets ``probe_answered_at``."""
+        if self._probing.acquire(blocking=False):
+            self.probe_sent_at = time.monotonic()
+            threading.Thread(target=self._probe, name="vllm-probe", daemon=True).start()
+
+    def _probe(self) -> None:
+        """Token id 0 exists in every vocabulary; a request without kv_transfer_params is a local one on any role."""
+        body = json.dumps({"model": self.model, "prompt": [0], "max_tokens": 1, "temperature": 0}).encode()
+        request = urllib.request.Request(self.url + "/v1/completions", body, {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=3600) as resp:  # the window decides, not this timeout
+                if resp.status == 200:
+                    self.probe_answered_at = time.monotonic()
+        except (urllib.error.URLError, OSError, ValueError):
+            pass
+        finally:
+            self._probing.release()
+
+    def stop(self) -> None:
+        self._stop.set()
