@@ -3,6 +3,10 @@
 ``hybrid-pd up`` and the end-to-end tests both use :class:`Stack`. Each service
 runs as the same ``hybrid-pd prefill|decode|router`` command a container runs, in
 its own process group, so stopping the stack stops every process it started.
+
+A worker that fails (its vLLM died or hung: the worker ends it and exits non-zero, see
+:mod:`hybrid_pd.worker.supervise`) is started again, as an orchestrator would: a few tries
+in a row with a growing pause, each logged; the router takes it back once its health check passes.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import logging
 import os
 import sys
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +50,8 @@ class StackConfig:
     ready_timeout_s: float = 900.0
     worker_args: tuple[str, ...] = ()
     timeline_dir: Path | None = None  # the router and the P/D workers record the hand-off timeline here
+    restarts: int = 3  # tries in a row to start a failed worker again; one that gets ready again has them all back
+    restart_backoff_s: float = 2.0  # the pause before the first try, doubled before each next one
 
 
 @dataclass(frozen=True)
@@ -72,6 +79,7 @@ class Stack:
         self.config = config
         self.services = self._plan()
         self._procs: dict[str, Popen] = {}
+        self._tries: dict[str, int] = {}  # restarts in a row of each worker since it was last ready
 
     @property
     def url(self) -> str:
@@ -116,12 +124,12 @@ class Stack:
         return services
 
     def start(self) -> None:
-        """Start every service and wait until all are ready; raise StackError if one is not."""
+        """Start every service and wait until all are ready, restarting failed workers; raise StackError if one is not."""
         self.config.log_dir.mkdir(parents=True, exist_ok=True)
         for service in self.services:
             self._procs[service.name] = spawn(service.argv, log=self.log_path(service.name))
         for service in self.services:
-            self._await_ready(service)
+            self._await_ready(service, revive=True)
 
     def restart(self, name: str) -> None:
         """Start service ``name`` again (after a crash, in fault tests), same command and ports; :meth:`wait_ready` waits for it.
@@ -135,32 +143,80 @@ class Stack:
         self._procs[name] = spawn(service.argv, log=self.log_path(name))
 
     def wait_ready(self, name: str) -> None:
-        """Wait until service ``name`` is ready (blocking: any thread may wait); StackError if it is not."""
-        self._await_ready(self._service(name))
+        """Wait until service ``name`` is ready (blocking: any thread may wait); StackError if it is not.
+
+        It does not restart the service (see :meth:`restart` for why a short-lived thread must not).
+        """
+        self._await_ready(self._service(name), revive=False)
+
+    def revive(self, name: str) -> bool:
+        """Start worker ``name`` again after it failed, after a pause, if a try is left; False: it stays down.
+
+        A worker that exited 0 was stopped on purpose and one that exited 2 refused its settings
+        before vLLM started: starting either again changes nothing. The router is not restarted:
+        without it the stack serves nobody. Call it from a thread that lives as long as the stack.
+        """
+        code = self._procs[name].poll()
+        tries = self._tries.get(name, 0)
+        why = _failure_line(self.log_path(name)) or f"see {self.log_path(name)}"
+        if name == "router" or code in (0, 2):
+            log.error("%s exited %s: %s", name, kv(code=code), why)
+            return False
+        if tries >= self.config.restarts:
+            log.error("%s failed %d times in a row; not starting it again %s: %s", name, tries + 1, kv(code=code), why)
+            return False
+        pause_s = self.config.restart_backoff_s * 2**tries
+        log.warning("%s exited %s: %s; starting it again in %.0f s %s", name, kv(code=code), why, pause_s,
+                    kv(attempt=f"{tries + 1}/{self.config.restarts}"))  # fmt: skip
+        time.sleep(pause_s)
+        self._tries[name] = tries + 1
+        self.restart(name)
+        return True
+
+    def recovered(self) -> list[str]:
+        """Workers started again that answer their health check now: each has all its tries back (logged)."""
+        back = []
+        for name, tries in list(self._tries.items()):
+            if tries and self._procs[name].poll() is None and _answers(self._service(name).health):
+                log.info("%s is ready again %s", name, kv(restarts=tries))
+                self._tries[name] = 0
+                back.append(name)
+        return back
 
     def _service(self, name: str) -> Service:
         return next(s for s in self.services if s.name == name)
 
-    def _await_ready(self, service: Service) -> None:
-        proc = self._procs[service.name]
-        if not wait_http_ok(service.health, lambda: proc.poll() is None, self.config.ready_timeout_s):
-            self.stop()
-            raise StackError(f"{service.name} did not become ready; see {self.log_path(service.name)}")
+    def _await_ready(self, service: Service, revive: bool) -> None:
+        """Wait for ``service``; with ``revive``, a worker that fails meanwhile is started again (:meth:`revive`)."""
+        while True:
+            proc = self._procs[service.name]
+            if wait_http_ok(service.health, lambda proc=proc: proc.poll() is None, self.config.ready_timeout_s):
+                break
+            if proc.poll() is None or not (revive and self.revive(service.name)):
+                self.stop()
+                raise StackError(f"{service.name} did not become ready; see {self.log_path(service.name)}")
         if service.name == "router":
-            self._wait_until_router_routes_to_all(service)
+            self._wait_until_router_routes_to_all(service, revive)
         else:
             self._check_identity(service)
+        self._tries[service.name] = 0
         log.info("ready %s", kv(service=service.name, url=service.url))
 
-    def _wait_until_router_routes_to_all(self, router: Service) -> None:
+    def _wait_until_router_routes_to_all(self, router: Service, revive: bool) -> None:
         """Check the router is ours, then wait until it routes to every worker we started.
 
         It evicts workers that are still loading and re-admits them on its next health
-        check; until then requests would skip the prefill leg (local prefill).
+        check; until then requests would skip the prefill leg (local prefill). A worker
+        that fails meanwhile is started again with ``revive``, and waited for.
         """
         ours = {s.url for s in self.workers("prefill") + self.workers("decode")}
         deadline = time.monotonic() + self.config.ready_timeout_s
         while True:
+            for name in self.failed():
+                if name == "router" or not (revive and self.revive(name)):
+                    self.stop()
+                    raise StackError(f"{name} exited while the router waited for it; see {self.log_path(name)}")
+                deadline = time.monotonic() + self.config.ready_timeout_s
             with urllib.request.urlopen(router.health, timeout=5) as resp:
                 health = json.load(resp)
             if set(health.get("prefill", [])) | set(health.get("decode", [])) != ours:
@@ -206,18 +262,38 @@ class Stack:
 def watch(stack: Stack, poll_s: float = 1.0) -> str:
     """Block while the stack can serve; return why it cannot. KeyboardInterrupt propagates.
 
-    A worker that exits is reported once and the router routes around it (a dead
-    prefill worker means local prefill); the stack is done when the router or the
-    last decode worker is gone.
+    A worker that fails is started again (:meth:`Stack.revive`, a few tries in a row);
+    meanwhile the router routes around it (a dead prefill worker means local prefill).
+    The stack is done when the router is gone, or every decode worker is down for good.
     """
-    reported: set[str] = set()
+    down: set[str] = set()
     while True:
         for name in stack.failed():
-            if name not in reported:
-                reported.add(name)
-                log.error("%s exited; see %s", name, stack.log_path(name))
-        if "router" in reported:
+            if name not in down and not stack.revive(name):
+                down.add(name)
+        stack.recovered()
+        if "router" in down:
             return "the router exited"
-        if all(s.name in reported for s in stack.workers("decode")):
+        if all(s.name in down for s in stack.workers("decode")):
             return "no decode worker is left"
         time.sleep(poll_s)
+
+
+def _answers(health_url: str) -> bool:
+    try:
+        with urllib.request.urlopen(health_url, timeout=2) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _failure_line(log_path: Path, tail_bytes: int = 65536) -> str | None:
+    """The worker's own account of its last failure (``vLLM ended ...``, first line), read from the end of its log."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - tail_bytes))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    lines = [line for line in text.splitlines() if "vLLM ended (" in line]
+    return lines[-1][lines[-1].index("vLLM ended ("):].removesuffix("; its last lines:") if lines else None

@@ -2,8 +2,10 @@
 
 import subprocess
 import sys
+import time
 
-from hybrid_pd.stack import Stack, StackConfig, watch
+from hybrid_pd.common.processes import free_port, spawn
+from hybrid_pd.stack import Service, Stack, StackConfig, watch
 
 
 def _stack(**kw) -> Stack:
@@ -64,3 +66,112 @@ def test_watch_stops_when_the_router_exits():
     finally:
         for p in stack._procs.values():
             p.kill()
+
+
+# A service that answers as a worker (/health, /v1/models) or, given worker URLs, as the router (/health with
+# them available). Each run is counted in RUNS; with FAIL_FIRST, its first run fails as a worker whose vLLM died
+# does (exit 3); with EXIT, every run exits with that code at once.
+STAND_IN = r"""
+import http.server, json, os, sys
+port, model, runs, fail_first, exit_code, workers = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5], sys.argv[6:]
+with open(runs, "a") as f:
+    f.write("run\n")
+if exit_code:
+    sys.exit(int(exit_code))
+if fail_first and not os.path.exists(fail_first):
+    open(fail_first, "w").close()
+    sys.exit(3)
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        if workers:
+            body = {"prefill": workers[:1], "decode": workers[1:], "available": {"prefill": workers[:1], "decode": workers[1:]}}
+        else:
+            body = {"data": [{"root": model}]}
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(data)
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", port), Handler).serve_forever()
+"""
+
+
+def _stand_in_stack(tmp_path, fail_first: frozenset[str] = frozenset(), exit_codes: dict[str, int] | None = None, **kw) -> Stack:
+    """The plan of a 1 prefill + 1 decode stack, each service replaced by STAND_IN on its planned port."""
+    stack = Stack(StackConfig(model="/models/m", served_model_name="m", port=free_port(), log_dir=tmp_path / "logs",
+                              ready_timeout_s=30, restart_backoff_s=0.05, **kw))  # fmt: skip
+    workers = [s.url for s in stack.workers("prefill") + stack.workers("decode")]
+    services = []
+    for s in stack.services:
+        argv = [sys.executable, "-c", STAND_IN, s.url.rsplit(":", 1)[1], "/models/m", str(tmp_path / f"{s.name}.runs"),
+                str(tmp_path / f"{s.name}.failed") if s.name in fail_first else "", str((exit_codes or {}).get(s.name, "")),
+                *(workers if s.name == "router" else [])]  # fmt: skip
+        services.append(Service(s.name, argv, s.url, s.health))
+    stack.services = services
+    return stack
+
+
+def _runs(tmp_path, name: str) -> int:
+    path = tmp_path / f"{name}.runs"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def test_start_restarts_a_worker_that_fails_while_the_stack_starts(tmp_path, caplog):
+    """Issue #27: a worker whose vLLM died during start-up left `hybrid-pd up` waiting, never ready."""
+    stack = _stand_in_stack(tmp_path, fail_first=frozenset({"prefill-0"}))
+    caplog.set_level("INFO")
+    try:
+        stack.start()
+        assert stack.failed() == []
+    finally:
+        stack.stop()
+    assert [_runs(tmp_path, name) for name in ("prefill-0", "decode-0", "router")] == [2, 1, 1]
+    assert "prefill-0 exited code=3: see" in caplog.text and "attempt=1/3" in caplog.text
+
+
+def test_watch_restarts_a_failed_worker_with_growing_pauses_then_gives_up(tmp_path, caplog):
+    stack = _stand_in_stack(tmp_path, exit_codes={"decode-0": 3}, restarts=2)
+    stack._procs = {s.name: spawn(s.argv) for s in stack.services}
+    started = time.monotonic()
+    try:
+        assert watch(stack, poll_s=0.05) == "no decode worker is left"
+    finally:
+        stack.stop()
+    assert _runs(tmp_path, "decode-0") == 3, "the first run and two tries"
+    assert time.monotonic() - started >= 0.05 + 0.1, "paused 0.05 s, then 0.1 s"
+    attempts = [r.getMessage() for r in caplog.records if "attempt=" in r.getMessage()]
+    assert [a.rsplit("attempt=", 1)[-1] for a in attempts] == ["1/2", "2/2"], attempts
+    assert "decode-0 failed 3 times in a row; not starting it again code=3" in caplog.text
+    assert _runs(tmp_path, "prefill-0") == 1
+
+
+def test_a_worker_back_in_service_gets_its_tries_back(tmp_path, caplog):
+    stack = _stand_in_stack(tmp_path, fail_first=frozenset({"decode-0"}))
+    caplog.set_level("INFO")
+    stack._procs = {"decode-0": spawn(stack._service("decode-0").argv)}
+    try:
+        stack._procs["decode-0"].wait(30)
+        assert stack.revive("decode-0")
+        deadline = time.monotonic() + 30
+        while not stack.recovered():
+            assert time.monotonic() < deadline, "the restarted worker never answered"
+            time.sleep(0.1)
+        assert stack._tries["decode-0"] == 0
+        assert "decode-0 is ready again restarts=1" in caplog.text
+    finally:
+        stack.stop()
+
+
+def test_workers_stopped_on_purpose_or_refusing_their_settings_are_not_started_again(tmp_path):
+    stack = _stand_in_stack(tmp_path, exit_codes={"prefill-0": 0, "decode-0": 2, "router": 3})
+    stack._procs = {s.name: spawn(s.argv) for s in stack.services}
+    try:
+        for proc in stack._procs.values():
+            proc.wait(30)
+        assert not stack.revive("decode-0"), "exit 2: settings refused before vLLM started"
+        assert not stack.revive("prefill-0"), "exit 0: stopped on purpose"
+        assert not stack.revive("router"), "the router is not restarted"
+    finally:
+        stack.stop()
+    assert [_runs(tmp_path, name) for name in ("prefill-0", "decode-0", "router")] == [1, 1, 1]
