@@ -518,6 +518,32 @@ def test_healthcheck_probes_the_service_with_a_program_its_image_has(project: st
     assert (url.hostname, url.port, url.path) == ("127.0.0.1", int(p.flags(name)["--port"]), "/health")
 
 
+def _compose_seconds(duration: str) -> float:
+    """A Compose duration (``10m``, ``1m30s``, ``30s``) in seconds."""
+    parts = re.fullmatch(r"(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?", duration)
+    assert parts and duration, f"not a duration this test reads: {duration}"
+    hours, minutes, seconds = (int(x or 0) for x in parts.groups())
+    return hours * 3600 + minutes * 60 + seconds
+
+
+def test_compose_duration_reading():
+    assert [_compose_seconds(d) for d in ("30s", "15m", "1h", "1m30s")] == [30, 900, 3600, 90]
+    with pytest.raises(AssertionError):
+        _compose_seconds("15min")
+
+
+@pytest.mark.parametrize("project", PROJECTS)
+def test_worker_health_checks_wait_out_the_workers_own_start_window(project: str):
+    """A start that takes longer than --ready-timeout-s is ended by the worker itself, with a line saying why, and
+    restarted (exit 3); until then Compose must not call it unhealthy: `compose up` gives up on an unhealthy dependency."""
+    p = load_project(project)
+    for name in p.workers():
+        service = p.services[name]
+        with container_environment(service_env(service)):
+            settings = WorkerSettings(**given(build_parser().parse_args(service["command"][1:]), WorkerSettings))
+        assert _compose_seconds(service["healthcheck"]["start_period"]) >= settings.ready_timeout_s, name
+
+
 def test_program_detection_fails_for_a_program_the_image_lacks(tmp_path: Path):
     dockerfile = tmp_path / "x.Dockerfile"
     dockerfile.write_text("FROM python:3.11.14-slim-trixie\nRUN apt-get update && apt-get install -y libnuma1\n")
@@ -533,6 +559,7 @@ def test_services_restart_and_reap_their_children(project: str):
             assert service["restart"] == "no", "the model is prepared once"
         if name not in p.workers() and p.role(name) != "router":
             continue
+        # Restarts a worker that exits 3 (its vLLM died or hung) and, unlike on-failure, one that a reboot stopped.
         assert service["restart"] == "unless-stopped", name
         pid = service.get("pid", "")
         if pid.startswith("service:"):

@@ -31,7 +31,7 @@ from hybrid_pd.common import processes
 from hybrid_pd.common.cli_flags import given
 from hybrid_pd.worker.settings import WorkerSettings
 from tests import deploy_compose as dc
-from tests.deploy_support import MASKED_ENV, RESOLVED_BY_THE_WORKER, make_demo_services, masked_argv
+from tests.deploy_support import MASKED_ENV, RESOLVED_BY_THE_WORKER, container_environment, make_demo_services, masked_argv
 
 K8S = dc.ROOT / "deploy" / "k8s"
 # `kubectl kustomize deploy/k8s/<variant>`; "." is deploy/k8s itself (the GPU variant).
@@ -215,6 +215,24 @@ def test_probes_ask_health_on_the_port_the_server_listens_on(variant: str):
         if c.role in WORKER_ROLES:
             assert c.spec["livenessProbe"]["httpGet"]["path"] == "/health"
             assert c.spec["startupProbe"]["failureThreshold"] * c.spec["startupProbe"]["periodSeconds"] >= 600
+
+
+def _window(probe: dict[str, Any]) -> int:
+    """Seconds of failed checks after which the kubelet acts on a probe."""
+    return probe["periodSeconds"] * probe.get("failureThreshold", 3)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_worker_probes_act_only_after_the_workers_own_windows(variant: str):
+    """The worker ends a vLLM that does not start in --ready-timeout-s, or that stops serving for --serve-stall-s,
+    itself, and exits 3 with a line saying why (hybrid_pd/worker/supervise.py); the probes are the backstop for a
+    worker service that hangs: they act just after those windows, never before."""
+    for c in workers(variant):
+        with container_environment(c.env()):
+            settings = WorkerSettings(**given(build_parser().parse_args(c.expanded_argv(c.env())[1:]), WorkerSettings))
+        startup, liveness = c.spec["startupProbe"], c.spec["livenessProbe"]
+        assert _window(startup) >= settings.ready_timeout_s + startup["periodSeconds"], c.deployment
+        assert settings.serve_stall_s < _window(liveness) <= settings.serve_stall_s + 2 * liveness["periodSeconds"], c.deployment
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
