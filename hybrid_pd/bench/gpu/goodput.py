@@ -5,7 +5,7 @@ first with ``python -m hybrid_pd.models.families /tmp/full --full nemotron_h``):
 
     python3 -m hybrid_pd.bench.gpu.goodput run --out DIR --model /tmp/full/nemotron_h \\
         --workloads 3000/128,1000/64,1000/512,200/1000 --levels 1,32,64 --systems replicas,pd,adaptive
-    python3 -m hybrid_pd.bench.gpu.goodput report --out DIR      # the table again, from DIR/runs
+    python3 -m hybrid_pd.bench.gpu.goodput report --out DIR      # the table (and goodput.png) again, from DIR/runs
     python3 -m hybrid_pd.bench.gpu.goodput down --out DIR        # stop the servers
 
 Four vLLM servers, two per GPU, each started through ``hybrid-pd``: a colocated replica and a
@@ -49,6 +49,7 @@ from typing import Any
 import httpx
 
 from hybrid_pd.bench.gpu.pd_check import cli
+from hybrid_pd.bench.plot import PlotUnavailable, require_matplotlib
 from hybrid_pd.bench.stats import percentile
 from hybrid_pd.common.processes import free_port, spawn, stop_group, wait_http_ok
 from hybrid_pd.common.prom import metric_sum
@@ -320,7 +321,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def report(args: argparse.Namespace) -> int:
-    rows = [json.loads(p.read_text()) for p in sorted((args.out / "runs").glob("*.row.json"))]
+    """The table of the runs in ``DIR/runs`` (or of earlier summaries, ``--from``), ``DIR/summary.json`` and, with matplotlib, ``DIR/goodput.png``."""
+    if args.summaries:
+        rows = [row for path in args.summaries for row in json.loads(path.read_text())["rows"]]
+    else:
+        rows = [json.loads(p.read_text()) for p in sorted((args.out / "runs").glob("*.row.json"))]
     order = {name: i for i, name in enumerate(SYSTEMS)}
     rows.sort(key=lambda r: (Workload.parse(r["workload"]).input_len, Workload.parse(r["workload"]).output_len, r["level"], order.get(r["system"], 99)))
     slos = [f"{t:g}/{p:g}" for t, p in args.slo]
@@ -330,7 +335,37 @@ def report(args: argparse.Namespace) -> int:
                "systems": {name: asdict(s) for name, s in (CPU_SYSTEMS if args.device == "cpu" else SYSTEMS).items()}}  # fmt: skip
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(table(rows, slos), flush=True)
+    with contextlib.suppress(PlotUnavailable):
+        plot_goodput(rows, slos, args.out / "goodput.png")
     return 0
+
+
+def plot_goodput(rows: list[dict[str, Any]], slos: list[str], path: Path) -> None:
+    """Goodput per GPU against requests in flight: a panel per workload and SLO pair, a line per system."""
+    require_matplotlib()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = sorted({r["workload"] for r in rows}, key=lambda w: (Workload.parse(w).input_len, Workload.parse(w).output_len))
+    fig, axes = plt.subplots(len(slos), len(workloads), figsize=(4 * len(workloads), 3.2 * len(slos)), squeeze=False)
+    for i, slo in enumerate(slos):
+        for j, workload in enumerate(workloads):
+            ax = axes[i][j]
+            for system in dict.fromkeys(r["system"] for r in rows):
+                points = sorted((r["level"], r["summary"]["goodput"][slo]["per_gpu"]) for r in rows if r["system"] == system and r["workload"] == workload)
+                if points:
+                    ax.plot(*zip(*points, strict=True), marker="o", label=system)
+            ax.set_title(f"{workload} tokens, SLO {slo} ms", fontsize=9)
+            ax.set_xlabel("requests in flight")
+            ax.set_ylabel("goodput per GPU (req/s)")
+            ax.grid(alpha=0.3)
+    lines = {label: line for ax in axes.flat for line, label in zip(*ax.get_legend_handles_labels(), strict=True)}
+    fig.legend(list(lines.values()), list(lines), loc="lower center", ncol=len(lines), fontsize=8)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _versions() -> dict[str, str]:
@@ -367,6 +402,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--points", type=lambda s: [(Workload.parse(p.split("@")[0]), int(p.split("@")[1])) for p in s.split(",")],
                     help="IN/OUT@LEVEL, comma-separated, in this order (instead of every workload at every level)")
     ap.add_argument("--slo", action="append", type=_slo, help="TTFT/TPOT ms (repeatable; default 500/20 and 1500/50); the first goes to the routers")
+    ap.add_argument("--from", dest="summaries", type=Path, nargs="+", help="report: the rows of these summary.json files instead of DIR/runs")
     ap.add_argument("--prompts-per-in-flight", type=int, default=3)
     ap.add_argument("--min-prompts", type=int, default=4)
     ap.add_argument("--max-num-seqs", type=int, default=128)
