@@ -28,7 +28,7 @@ from hybrid_pd.bench.cli import add_bench_parser, run_bench
 from hybrid_pd.common import checks
 from hybrid_pd.common.arg_types import at_least, checked
 from hybrid_pd.common.cli_flags import add_flags, given
-from hybrid_pd.common.logs import add_log_level_flag, configure_logging
+from hybrid_pd.common.logs import add_log_level_flag, configure_logging, kv
 from hybrid_pd.eval.cli import add_eval_parser, run_eval
 from hybrid_pd.router.settings import RouterSettings
 from hybrid_pd.worker import ROLES
@@ -93,10 +93,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     up.add_argument("--host", default="127.0.0.1", help="router bind address")
     up.add_argument("--port", type=checked(int, checks.tcp_port), default=8000, help="router port")
-    up.add_argument("--prefill", type=at_least(1), default=1, help="number of prefill workers")
-    up.add_argument("--decode", type=at_least(1), default=1, help="number of decode workers")
+    up.add_argument("--prefill", type=at_least(0), default=1, help="number of prefill workers")
+    up.add_argument("--decode", type=at_least(0), default=1, help="number of decode workers")
+    up.add_argument("--flex", type=at_least(0), default=0, help="number of flexible workers (prefill, decode or both, as the router decides)")
     up.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the workers run vLLM")
     up.add_argument("--baseline", action="store_true", help="also start a colocated vLLM server to compare with")
+    up.add_argument(
+        "--router-arg", dest="router_args", action="append", default=[], metavar="ARG",
+        help="another router flag, e.g. --router-arg=--slo-ttft-ms=500 (repeatable; hybrid-pd router --help lists them)",
+    )  # fmt: skip
     up.add_argument(
         "--log-dir",
         type=checked(Path, checks.output_dir),
@@ -264,6 +269,8 @@ def _run_up(args: argparse.Namespace) -> int:
 
     if (problem := listen_problem(args.host, args.port)) is not None:
         raise UsageError(f"the router cannot listen on {problem}: stop what uses it, or pass another --port or --host")
+    if args.decode + args.flex == 0:
+        raise UsageError("--decode 0 --flex 0: the stack needs a worker that decodes; give --decode or --flex at least 1")
     model, name = resolve_model(args.model)
     config = StackConfig(
         model=model,
@@ -272,6 +279,8 @@ def _run_up(args: argparse.Namespace) -> int:
         port=args.port,
         prefill=args.prefill,
         decode=args.decode,
+        flex=args.flex,
+        router_args=tuple(args.router_args),
         device=args.device,
         baseline=args.baseline,
         timeline_dir=args.timeline_dir,
@@ -280,7 +289,7 @@ def _run_up(args: argparse.Namespace) -> int:
     stack = Stack(config)
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        log.info("starting %d prefill + %d decode workers; logs in %s", args.prefill, args.decode, config.log_dir)
+        log.info("starting %s; logs in %s", kv(prefill=args.prefill, decode=args.decode, flex=args.flex), config.log_dir)
         stack.start()
         print(_ready_message(stack, name), flush=True)
         log.error("%s; stopping the stack", watch(stack))

@@ -1,4 +1,4 @@
-"""A whole P/D deployment on one machine: N prefill + M decode workers and the router.
+"""A whole P/D deployment on one machine: N prefill + M decode (+ K flexible) workers and the router.
 
 ``hybrid-pd up`` and the end-to-end tests both use :class:`Stack`. Each service
 runs as the same ``hybrid-pd prefill|decode|router`` command a container runs, in
@@ -44,12 +44,14 @@ class StackConfig:
     port: int = 8000
     prefill: int = 1
     decode: int = 1
+    flex: int = 0  # flexible workers (vLLM's kv_both): replicas, split by phase when the router has SLOs
     device: str = "cpu"
     baseline: bool = False
     log_dir: Path = field(default_factory=lambda: Path.cwd() / ".hybrid-pd" / "logs")
     ready_timeout_s: float = 900.0
     worker_args: tuple[str, ...] = ()
     timeline_dir: Path | None = None  # the router and the P/D workers record the hand-off timeline here
+    router_args: tuple[str, ...] = ()  # more flags of the router (its SLOs, say)
     restarts: int = 3  # tries in a row to start a failed worker again; one that gets ready again has them all back
     restart_backoff_s: float = 2.0  # the pause before the first try, doubled before each next one
 
@@ -62,6 +64,10 @@ class Service:
     argv: list[str]
     url: str
     health: str
+
+
+# The roles the router routes to (the colocated baseline is not behind it).
+_ROUTED = ("prefill", "decode", "flex")
 
 
 def _cli() -> list[str]:
@@ -93,7 +99,7 @@ class Stack:
         cfg = self.config
         services: list[Service] = []
         index = 0
-        roles = (("prefill", cfg.prefill), ("decode", cfg.decode), ("colocated", int(cfg.baseline)))
+        roles = (("prefill", cfg.prefill), ("decode", cfg.decode), ("flex", cfg.flex), ("colocated", int(cfg.baseline)))
         for role, count in roles:
             for i in range(count):
                 port = free_port()
@@ -108,7 +114,8 @@ class Stack:
                 ]  # fmt: skip
                 if role != "colocated":
                     argv += ["--side-channel-port", str(free_port())]
-                    argv += ["--timeline-dir", str(cfg.timeline_dir)] if cfg.timeline_dir else []
+                if role in ("prefill", "decode") and cfg.timeline_dir:  # the timeline is a prefill's and a decode's
+                    argv += ["--timeline-dir", str(cfg.timeline_dir)]
                 if cfg.device == "cpu":
                     argv += ["--cpu-threads-bind", str(index % _cores())]
                 index += 1
@@ -116,10 +123,11 @@ class Stack:
                 services.append(Service(f"{role}-{i}", argv, url, url + "/health"))
         router = _cli() + ["router", "--host", cfg.host, "--port", str(cfg.port)]
         router += ["--timeline-dir", str(cfg.timeline_dir)] if cfg.timeline_dir else []
-        for role in ("prefill", "decode"):
+        for role in _ROUTED:
             for s in services:
                 if s.name.startswith(role):
                     router += ["--" + role, s.url]
+        router += list(cfg.router_args)
         services.append(Service("router", router, self.url, self.url + "/health"))
         return services
 
@@ -209,7 +217,7 @@ class Stack:
         check; until then requests would skip the prefill leg (local prefill). A worker
         that fails meanwhile is started again with ``revive``, and waited for.
         """
-        ours = {s.url for s in self.workers("prefill") + self.workers("decode")}
+        ours = {s.url for role in _ROUTED for s in self.workers(role)}
         deadline = time.monotonic() + self.config.ready_timeout_s
         while True:
             for name in self.failed():
@@ -219,11 +227,11 @@ class Stack:
                 deadline = time.monotonic() + self.config.ready_timeout_s
             with urllib.request.urlopen(router.health, timeout=5) as resp:
                 health = json.load(resp)
-            if set(health.get("prefill", [])) | set(health.get("decode", [])) != ours:
+            if {url for role in _ROUTED for url in health.get(role, [])} != ours:
                 self.stop()
                 raise StackError(f"{router.url} is another router: {health}")
             available = health.get("available", {})
-            if set(available.get("prefill", [])) | set(available.get("decode", [])) == ours:
+            if {url for role in _ROUTED for url in available.get(role, [])} == ours:
                 return
             if time.monotonic() > deadline:
                 self.stop()
@@ -264,7 +272,7 @@ def watch(stack: Stack, poll_s: float = 1.0) -> str:
 
     A worker that fails is started again (:meth:`Stack.revive`, a few tries in a row);
     meanwhile the router routes around it (a dead prefill worker means local prefill).
-    The stack is done when the router is gone, or every decode worker is down for good.
+    The stack is done when the router is gone, or every worker that decodes is down for good.
     """
     down: set[str] = set()
     while True:
@@ -274,7 +282,7 @@ def watch(stack: Stack, poll_s: float = 1.0) -> str:
         stack.recovered()
         if "router" in down:
             return "the router exited"
-        if all(s.name in down for s in stack.workers("decode")):
+        if all(s.name in down for s in stack.workers("decode") + stack.workers("flex")):
             return "no decode worker is left"
         time.sleep(poll_s)
 

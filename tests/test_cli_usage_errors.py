@@ -107,7 +107,7 @@ def cases(p: Paths, taken_port: int) -> dict[str, Case]:
         "up-no-model": Case(["up", "--model", "/nonexistent", "--log-dir", str(p.logs)], ("--model", "/nonexistent")),
         "up-port-zero": Case(["up", "--port", "0", "--log-dir", str(p.logs)], ("--port", "1 to 65535")),
         "up-port-taken": Case(["up", "--port", str(taken_port), "--log-dir", str(p.logs)], (f"127.0.0.1:{taken_port}", "in use")),
-        "up-no-decode": Case(["up", "--decode", "0", "--log-dir", str(p.logs)], ("--decode", ">= 1")),
+        "up-no-decode": Case(["up", "--decode", "0", "--log-dir", str(p.logs)], ("--decode 0 --flex 0", "at least 1")),
         "up-prefill-negative": Case(["up", "--prefill", "-1", "--log-dir", str(p.logs)], ("--prefill",)),
         "up-log-dir-is-a-file": Case(["up", "--log-dir", str(p.file)], ("--log-dir", "not a folder")),
         # eval

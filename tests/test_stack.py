@@ -29,6 +29,14 @@ def test_plan_starts_each_role_with_distinct_ports_and_the_router_knows_them():
     assert all(s.argv[3] == s.name.split("-")[0] for s in workers), "each runs `hybrid-pd <role>`"
 
 
+def test_flexible_workers_go_behind_the_router_with_its_extra_flags_and_record_no_timeline():
+    stack = _stack(prefill=0, decode=0, flex=2, baseline=True, timeline_dir="/tmp/tl", router_args=("--slo-ttft-ms=500",))
+    assert [s.name for s in stack.services] == ["flex-0", "flex-1", "colocated-0", "router"]
+    router = stack.services[-1].argv
+    assert _flag(router, "--flex") == [s.url for s in stack.workers("flex")] and router[-1] == "--slo-ttft-ms=500"
+    assert all(len(_flag(s.argv, "--side-channel-port")) == 1 and _flag(s.argv, "--timeline-dir") == [] for s in stack.workers("flex"))
+
+
 def test_cpu_workers_are_pinned_to_cores_in_turn():
     binds = [_flag(s.argv, "--cpu-threads-bind") for s in _stack(prefill=1, decode=1).workers("prefill") + _stack().workers("decode")]
     assert all(len(b) == 1 for b in binds)
