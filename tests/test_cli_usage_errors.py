@@ -27,6 +27,15 @@ TIMEOUT_S = 60
 # A URL that is well formed: where a case is about another flag, nothing is sent to it.
 URL = "http://127.0.0.1:9"
 BENCH = ["bench", "--endpoint", URL, "--concurrency", "1", "--input-len", "8", "--output-len", "4", "--num-prompts", "1"]
+PROFILE = ROOT / "hybrid_pd" / "bench" / "results" / "2026-11-25-h100x2-sizing" / "profile.json"
+SIZE = {"--profile": str(PROFILE), "--gpus": "2", "--input-len": "1000", "--output-len": "64", "--concurrency": "4",
+        "--slo-ttft-ms": "500", "--slo-tpot-ms": "20"}  # fmt: skip
+
+
+def size(**changes: str | None) -> list[str]:
+    """``hybrid-pd size`` with valid flags but ``changes`` (``input_len="9-5"``; None: left out)."""
+    flags = {**SIZE, **{"--" + k.replace("_", "-"): v for k, v in changes.items()}}
+    return ["size", *[a for flag, value in flags.items() if value is not None for a in (flag, value)]]
 
 
 @dataclass(frozen=True)
@@ -126,6 +135,15 @@ def cases(p: Paths, taken_port: int) -> dict[str, Case]:
         "bench-json-is-a-folder": Case([*BENCH, "--json", str(p.empty_dir)], ("--json", "folder")),
         "bench-plot-unwritable": Case([*BENCH, "--plot", str(p.file / "x.png")], ("--plot",)),
         "bench-concurrency-zero": Case(["bench", "--endpoint", URL, "--concurrency", "0", *BENCH[5:]], ("--concurrency",)),
+        # size: refused before anything is simulated
+        "size-no-profile": Case(size(profile="/nonexistent.json"), ("--profile", "/nonexistent.json")),
+        "size-profile-not-json": Case(size(profile=str(p.file)), ("--profile", "cannot read", str(p.file))),
+        "size-gpus-zero": Case(size(gpus="0,2"), ("--gpus", "1 or more")),
+        "size-input-len-range": Case(size(input_len="9-5"), ("--input-len", "LOW-HIGH")),
+        "size-no-load": Case(size(concurrency=None), ("--concurrency", "--rate")),
+        "size-slo-zero": Case(size(slo_tpot_ms="0"), ("--slo-tpot-ms", "more than 0")),
+        "size-request-too-long": Case(size(input_len="600000"), ("--input-len", "KV cache")),
+        "size-json-is-a-folder": Case([*size(), "--json", str(p.empty_dir)], ("--json", "folder")),
     }
 
 

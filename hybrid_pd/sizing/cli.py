@@ -1,0 +1,110 @@
+"""``hybrid-pd size``: the layouts of some GPUs under a traffic, predicted from a profile by simulation.
+
+Wired into ``hybrid-pd`` by :func:`add_size_parser` and :func:`run_size`. This module reads the
+arguments and puts the pieces together: profile + workload + SLO pair + GPU counts -> every
+layout simulated (:func:`hybrid_pd.sizing.simulate.size`) -> table (and ``--json``, ``--plot``).
+Bad input is answered on one line naming the flag, exit code 2, before anything is simulated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from hybrid_pd.common import checks
+from hybrid_pd.common.arg_types import at_least, checked
+from hybrid_pd.sizing.profile import Profile, ProfileError
+from hybrid_pd.sizing.workload import Lengths
+
+__all__ = ["add_size_parser", "run_size"]
+
+
+def _profile(text: str) -> Profile:
+    try:
+        return Profile.load(Path(text))
+    except ProfileError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _lengths(text: str) -> Lengths:
+    try:
+        return Lengths.parse(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give N or LOW-HIGH tokens, 1 <= LOW <= HIGH") from None
+
+
+def _gpu_counts(text: str) -> list[int]:
+    try:
+        counts = sorted({int(x) for x in text.split(",")})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give GPU counts as N[,N...], e.g. 2,4,8") from None
+    if counts[0] < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: every GPU count must be 1 or more")
+    return counts
+
+
+def add_size_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    """Add ``size`` to a ``hybrid-pd`` subparsers object."""
+    size = subparsers.add_parser(
+        "size",
+        help="predict goodput per GPU of every layout (replicas, flex, xPyD) for a traffic, from a profile",
+        description="Simulate every layout of each GPU count (colocated replicas, flexible workers, every xPyD "
+        "split) under the traffic, and predict throughput, goodput within the SLOs, TTFT and TPOT. The profile "
+        "says how one worker runs the model (docs/sizing.md).",
+    )
+    positive, output = checked(float, checks.positive), checked(Path, checks.output_file)
+    size.add_argument("--profile", type=_profile, required=True, metavar="PROFILE.json", help="the model's profile on one GPU")
+    size.add_argument("--gpus", type=_gpu_counts, required=True, metavar="N[,N...]", help="GPU counts to lay out, e.g. 2,4,8")
+    size.add_argument("--input-len", type=_lengths, required=True, metavar="N|LOW-HIGH", help="prompt tokens (uniform over LOW-HIGH)")
+    size.add_argument("--output-len", type=_lengths, required=True, metavar="N|LOW-HIGH", help="output tokens (uniform over LOW-HIGH)")
+    load = size.add_mutually_exclusive_group(required=True)
+    load.add_argument("--concurrency", type=at_least(1), metavar="C", help="closed loop: requests kept in flight")
+    load.add_argument("--rate", type=positive, metavar="R", help="open loop: Poisson arrivals, requests/s")
+    size.add_argument(
+        "--num-prompts", type=at_least(1), metavar="K", help="requests to simulate (default: 5 x C, or 60 s x R; at least 200)"
+    )
+    size.add_argument("--slo-ttft-ms", type=positive, required=True, metavar="X", help="goodput: time to first token at most X ms")
+    size.add_argument("--slo-tpot-ms", type=positive, required=True, metavar="Y", help="goodput: time per output token at most Y ms")
+    size.add_argument("--seed", type=int, default=0, help="seed of the lengths and arrival times (default 0)")
+    size.add_argument("--json", dest="json_out", type=output, metavar="OUT", help="write every prediction")
+    size.add_argument("--plot", type=output, metavar="OUT.png", help="draw goodput per GPU against GPUs (needs matplotlib)")
+    return size
+
+
+def run_size(args: argparse.Namespace) -> int:
+    """Run the ``size`` subcommand; returns the exit code."""
+    from hybrid_pd.bench.plot import PlotUnavailable, require_matplotlib
+    from hybrid_pd.sizing.report import best, format_table, plot_goodput, to_json
+    from hybrid_pd.sizing.simulate import SLO, check_fits, size
+    from hybrid_pd.sizing.workload import Workload, default_prompts
+
+    profile: Profile = args.profile
+    workload = Workload(
+        args.input_len, args.output_len, args.num_prompts or default_prompts(args.concurrency, args.rate), args.concurrency, args.rate, args.seed
+    )
+    slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms)
+    try:
+        check_fits(profile, workload)
+        if args.plot is not None:
+            require_matplotlib()
+    except ValueError as exc:
+        return _usage(f"--input-len/--output-len: {exc}")
+    except PlotUnavailable as exc:
+        return _usage(str(exc))
+    predictions = size(profile, workload, slo, args.gpus)
+    print(format_table(predictions, workload, slo))
+    print("best per GPU count: " + ", ".join(f"{g}: {p.layout}" for g, p in best(predictions).items()), flush=True)
+    if args.json_out is not None:
+        args.json_out.parent.mkdir(parents=True, exist_ok=True)
+        args.json_out.write_text(json.dumps(to_json(profile, workload, slo, predictions), indent=1) + "\n")
+    if args.plot is not None:
+        title = f"{profile.model} on {profile.device}\n{workload.input_len}/{workload.output_len} tokens, {workload.load}, SLO {slo} ms"
+        plot_goodput(predictions, title, args.plot)
+    return 0
+
+
+def _usage(problem: str) -> int:
+    print(f"hybrid-pd size: {problem}", file=sys.stderr)
+    return 2

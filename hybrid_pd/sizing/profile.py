@@ -1,0 +1,148 @@
+"""A model's serving profile on one GPU (or CPU): what the sizing simulator knows of a vLLM worker.
+
+One JSON file (:meth:`Profile.load`, :meth:`Profile.save`). Each quantity has the simplest form
+the measurements behind it support, so that a profile can be fitted from a handful of runs and
+each number read on its own:
+
+- **Step time** (:meth:`Profile.step_ms`): a decode step reads the weights once (``base_ms``),
+  each sequence's Mamba state (``per_seq_ms`` a row) and each attention layer's KV
+  (``per_context_token_ms`` per token of context of those rows); every prompt token computed in
+  the same step (chunked prefill mixes them in) adds ``prefill_per_token_ms``. Linear, because
+  prefill at full token budget is compute-bound and a decode step is bandwidth-bound, and because
+  a mixed step then costs what its parts cost: no regime boundary to fit.
+- **Prompt latency** (:meth:`Profile.prompt_latency_ms`): the time a prompt's first token takes
+  beyond the engine's step, holding no GPU (what a lone request's TTFT has over its step: the
+  server's frontend, and whatever else a measurement shows). A piecewise-linear table over prompt
+  tokens, held flat beyond its ends: it is fitted from a few prompt lengths and has no shape
+  worth extrapolating.
+- **Hand-off** (``handoff_ms``): what P/D adds to a request besides the transfer and the decode
+  worker's step (the second leg's HTTP hops and frontend, the prefill's answer); fixed.
+- **Transfer** (:meth:`Profile.transfer_ms`): ``latency_ms + bytes / bandwidth``, the bytes of one
+  request from :func:`hybrid_pd.connector.plan.plan_transfer` (to the byte what vLLM moves).
+- **Memory** (:meth:`Profile.memory_bytes`): vLLM's hybrid KV cache in pages of one size (an
+  attention block's, or a Mamba layer's state if larger): a sequence holds a page per Mamba layer
+  slot for its state and, per ``block_tokens`` tokens, a page per attention layer slot. The cache
+  holds ``cache_bytes``; so the state slots bound a worker's concurrency as well as KV does.
+- **Scheduler** (``max_num_seqs``, ``max_num_batched_tokens``): the vLLM settings the profile was
+  measured with; its step times hold for them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import json
+import math
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from hybrid_pd.connector.plan import ModelShape, TransferPlan, plan_transfer
+
+__all__ = ["DecodeStep", "Profile", "ProfileError", "Transfer"]
+
+
+class ProfileError(ValueError):
+    """A profile file that cannot be read or is not valid; the message names the file and the field."""
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DecodeStep(_Frozen):
+    """A step's time without prompt tokens: ``base_ms + per_seq_ms x rows + per_context_token_ms x context tokens``."""
+
+    base_ms: float = Field(ge=0)
+    per_seq_ms: float = Field(ge=0)
+    per_context_token_ms: float = Field(ge=0)
+
+
+class Transfer(_Frozen):
+    """One request's state pulled by the decode worker: ``latency_ms + bytes / bandwidth``."""
+
+    latency_ms: float = Field(ge=0)
+    bandwidth_gbps: float = Field(gt=0)  # GB/s (1e9 bytes)
+
+    def ms(self, nbytes: int) -> float:
+        return self.latency_ms + nbytes / (self.bandwidth_gbps * 1e6)
+
+
+class Profile(_Frozen):
+    """One model on one device, as the simulator's workers run it (module docstring: each field's form and why)."""
+
+    model: str
+    device: str
+    source: str  # how the numbers were obtained: measured by which command, or fitted from which runs
+    shape: ModelShape
+    block_tokens: int = Field(gt=0)  # vLLM's attention block size for this model
+    cache_bytes: int = Field(gt=0)  # vLLM's KV cache (--kv-cache-memory-bytes)
+    max_num_seqs: int = Field(gt=0)
+    max_num_batched_tokens: int = Field(gt=0)
+    decode: DecodeStep
+    prefill_per_token_ms: float = Field(ge=0)
+    prompt_latency_ms: list[tuple[int, float]] = Field(min_length=1)  # (prompt tokens, ms), tokens increasing
+    handoff_ms: float = Field(ge=0)
+    transfer: Transfer
+
+    @field_validator("prompt_latency_ms")
+    @classmethod
+    def _increasing(cls, points: list[tuple[int, float]]) -> list[tuple[int, float]]:
+        xs = [x for x, _ in points]
+        if any(b <= a for a, b in zip(xs, xs[1:])) or any(y < 0 for _, y in points):
+            raise ValueError("give [tokens, ms] points with tokens increasing and ms >= 0")
+        return points
+
+    def step_ms(self, rows: int, context_tokens: int, prompt_tokens: int) -> float:
+        """One engine step: ``rows`` decode rows over ``context_tokens`` tokens of context, and ``prompt_tokens`` prompt tokens."""
+        d = self.decode
+        return d.base_ms + d.per_seq_ms * rows + d.per_context_token_ms * context_tokens + self.prefill_per_token_ms * prompt_tokens
+
+    def prompt_latency_ms_at(self, tokens: int) -> float:
+        """The prompt latency table at ``tokens``: linear between its points, flat beyond its ends."""
+        xs = [x for x, _ in self.prompt_latency_ms]
+        i = bisect.bisect_left(xs, tokens)
+        if i == 0:
+            return self.prompt_latency_ms[0][1]
+        if i == len(xs):
+            return self.prompt_latency_ms[-1][1]
+        (x0, y0), (x1, y1) = self.prompt_latency_ms[i - 1], self.prompt_latency_ms[i]
+        return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
+
+    def transfer_plan(self, prompt_tokens: int) -> TransferPlan:
+        """What one request of ``prompt_tokens`` moves from prefill to decode: its tokens and bytes (none: the decode worker computes it)."""
+        return _plan(self.shape, prompt_tokens, self.block_tokens)
+
+    def transfer_ms(self, prompt_tokens: int) -> float:
+        return self.transfer.ms(self.transfer_plan(prompt_tokens).total_bytes)
+
+    def memory_layout(self) -> tuple[int, int]:
+        """(bytes a sequence's state holds, bytes each ``block_tokens`` of its tokens hold) in vLLM's hybrid KV cache."""
+        one = _plan(self.shape, self.block_tokens + 1, self.block_tokens)  # a prompt that moves exactly one block
+        page = max(one.kv_bytes_per_attention_layer, one.conv_bytes_per_mamba_layer + one.ssm_bytes_per_mamba_layer)
+        return page * one.mamba_layers_moved, page * one.attention_layers_moved
+
+    def memory_bytes(self, tokens: int) -> int:
+        """The KV cache a sequence of ``tokens`` tokens holds."""
+        state, block = self.memory_layout()
+        return state + block * math.ceil(tokens / self.block_tokens)
+
+    @classmethod
+    def load(cls, path: Path) -> Profile:
+        try:
+            return cls.model_validate(json.loads(path.read_text()))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ProfileError(f"cannot read {path} as a profile: {exc}") from None
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'the file'}: {e['msg']}" for e in exc.errors())
+            raise ProfileError(f"{path} is not a valid profile: {problems}") from None
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.model_dump(mode="json"), indent=1) + "\n")
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(shape: ModelShape, prompt_tokens: int, block_tokens: int) -> TransferPlan:
+    """The transfer plan at one prompt length (a request's bytes; one page's bytes): the same few lengths recur."""
+    return plan_transfer(shape, prompt_tokens, block_size=block_tokens)

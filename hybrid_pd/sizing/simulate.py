@@ -1,0 +1,294 @@
+"""The discrete-event simulation of a layout serving a workload, and what a benchmark would report of it.
+
+The client is ``vllm bench serve``'s: closed loop (``--max-concurrency``: the first requests
+at time 0, each next one when one finishes) or Poisson arrivals. The router is hybrid-pd's with
+its default policy, least outstanding (fewest legs in flight, then fewest prompt tokens in
+flight, then the first worker):
+
+- replicas and flexible workers: each request goes whole to one worker;
+- xPyD: the decode worker is picked when the request arrives, counting the decode legs in
+  flight (not the requests still in their prefill leg, as the router counts them), then a
+  prefill worker by its prefill legs in flight. The prefill leg computes the prompt up to token
+  N-1 and holds its state; ``handoff_ms`` later the decode leg reaches the decode worker, which
+  reserves memory, pulls the state (:meth:`Profile.transfer_ms`; the prefill worker's memory is
+  freed when the pull ends) and computes token N as its first step.
+
+A prompt reaches its worker's queue :meth:`Profile.prompt_latency_ms_at` after it is sent. Each
+worker is an :class:`~hybrid_pd.sizing.engine.Engine`. Times are milliseconds; everything is
+deterministic for a workload's seed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from hybrid_pd.bench.stats import percentile
+from hybrid_pd.sizing.engine import Engine, Job, Step
+from hybrid_pd.sizing.layouts import Layout, layouts
+from hybrid_pd.sizing.profile import Profile
+from hybrid_pd.sizing.workload import Request, Workload
+
+__all__ = ["SLO", "Outcome", "Prediction", "check_fits", "predict", "simulate", "size", "summarize"]
+
+
+@dataclass(frozen=True)
+class SLO:
+    ttft_ms: float
+    tpot_ms: float
+
+    def __str__(self) -> str:
+        return f"{self.ttft_ms:g}/{self.tpot_ms:g}"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One request as the client saw it."""
+
+    request: Request
+    sent_ms: float
+    first_ms: float
+    done_ms: float
+
+    @property
+    def ttft_ms(self) -> float:
+        return self.first_ms - self.sent_ms
+
+    @property
+    def tpot_ms(self) -> float:
+        """vLLM's: the time after the first token over the tokens after it (0 for one token)."""
+        return (self.done_ms - self.first_ms) / (self.request.output - 1) if self.request.output > 1 else 0.0
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What ``vllm bench serve`` would report of one layout, goodput as its ``--goodput`` counts it."""
+
+    layout: str
+    kind: str
+    prefill: int
+    decode: int
+    gpus: int
+    completed: int
+    duration_s: float
+    throughput_rps: float
+    goodput_rps: float
+    goodput_per_gpu: float
+    slo_met: float  # share of the requests within both targets
+    ttft_p50_ms: float
+    ttft_mean_ms: float
+    tpot_p50_ms: float
+    tpot_mean_ms: float
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def summarize(layout: Layout, outcomes: list[Outcome], slo: SLO) -> Prediction:
+    """The benchmark's figures: the duration runs from the first request sent to the last one done."""
+    duration_s = (max(o.done_ms for o in outcomes) - min(o.sent_ms for o in outcomes)) / 1e3
+    good = sum(1 for o in outcomes if o.ttft_ms <= slo.ttft_ms and o.tpot_ms <= slo.tpot_ms)
+    ttft, tpot = [o.ttft_ms for o in outcomes], [o.tpot_ms for o in outcomes]
+    return Prediction(
+        layout=layout.name,
+        kind=layout.kind,
+        prefill=layout.prefill,
+        decode=layout.decode,
+        gpus=layout.gpus,
+        completed=len(outcomes),
+        duration_s=duration_s,
+        throughput_rps=len(outcomes) / duration_s,
+        goodput_rps=good / duration_s,
+        goodput_per_gpu=good / duration_s / layout.gpus,
+        slo_met=good / len(outcomes),
+        ttft_p50_ms=percentile(ttft, 50),
+        ttft_mean_ms=sum(ttft) / len(ttft),
+        tpot_p50_ms=percentile(tpot, 50),
+        tpot_mean_ms=sum(tpot) / len(tpot),
+    )
+
+
+def predict(profile: Profile, layout: Layout, workload: Workload, slo: SLO) -> Prediction:
+    return summarize(layout, simulate(profile, layout, workload), slo)
+
+
+def size(profile: Profile, workload: Workload, slo: SLO, gpu_counts: list[int]) -> list[Prediction]:
+    """Every layout of each GPU count (:func:`~hybrid_pd.sizing.layouts.layouts`) under the same traffic."""
+    return [predict(profile, layout, workload, slo) for gpus in gpu_counts for layout in layouts(gpus)]
+
+
+def check_fits(profile: Profile, workload: Workload) -> None:
+    """Raise ValueError when the workload's longest request needs more KV cache than a worker has: it would wait forever."""
+    longest = workload.input_len.high + workload.output_len.high
+    if profile.memory_bytes(longest) > profile.cache_bytes:
+        raise ValueError(
+            f"a request of {longest} tokens needs {profile.memory_bytes(longest):,} bytes of KV cache; the profile's workers have {profile.cache_bytes:,}"
+        )
+
+
+def simulate(profile: Profile, layout: Layout, workload: Workload) -> list[Outcome]:
+    """Every request of ``workload`` served by ``layout``, in the order they were sent (:func:`check_fits` first)."""
+    check_fits(profile, workload)
+    return _Simulation(profile, layout, workload).run()
+
+
+class _Load:
+    """The router's view of one worker: legs in flight and their prompt tokens."""
+
+    __slots__ = ("legs", "tokens")
+
+    def __init__(self) -> None:
+        self.legs = self.tokens = 0
+
+    def add(self, prompt: int, sign: int) -> None:
+        self.legs += sign
+        self.tokens += sign * prompt
+
+
+def _least_outstanding(loads: list[_Load]) -> int:
+    return min(range(len(loads)), key=lambda i: (loads[i].legs, loads[i].tokens, i))
+
+
+@dataclass
+class _Route:
+    """Where the router sent a request: its decode worker and, split, its prefill worker and leg."""
+
+    request: Request
+    sent_ms: float
+    decode: int
+    prefill: int | None = None
+    leg: Job | None = None
+    first_ms: float = math.nan
+
+
+class _Simulation:
+    def __init__(self, profile: Profile, layout: Layout, workload: Workload) -> None:
+        self.profile, self.workload = profile, workload
+        self.split = layout.kind == "pd"
+        self.prefill = [Engine(profile) for _ in range(layout.prefill)]
+        self.decode = [Engine(profile) for _ in range(layout.decode)]
+        self.prefill_load = [_Load() for _ in self.prefill]
+        self.decode_load = [_Load() for _ in self.decode]
+        self.events: list[tuple[float, int, Callable[[float, Any], None], Any]] = []
+        self.order = itertools.count()  # ties in time go in the order they were scheduled
+        self.planning: set[Engine] = set()
+        self.unsent: deque[Request] = deque()
+        self.routes: dict[int, _Route] = {}
+        self.outcomes: list[Outcome] = []
+
+    def run(self) -> list[Outcome]:
+        requests = self.workload.requests()
+        if self.workload.concurrency is not None:
+            for r in requests[: self.workload.concurrency]:
+                self._at(0.0, self._send, r)
+            self.unsent.extend(requests[self.workload.concurrency :])
+        else:
+            for r in requests:
+                self._at(r.sent_s * 1e3, self._send, r)
+        while self.events:
+            now, _, handler, arg = heapq.heappop(self.events)
+            handler(now, arg)
+        if len(self.outcomes) != len(requests):  # a summary of the finished ones would flatter the layout
+            raise RuntimeError(f"the simulation stalled with {len(requests) - len(self.outcomes)} of {len(requests)} requests unfinished")
+        return sorted(self.outcomes, key=lambda o: (o.sent_ms, o.request.id))
+
+    def _at(self, time_ms: float, handler: Callable[[float, Any], None], arg: Any) -> None:
+        heapq.heappush(self.events, (time_ms, next(self.order), handler, arg))
+
+    # --- the client and the router ---
+
+    def _send(self, now: float, r: Request) -> None:
+        p = self.profile
+        arrive = now + p.prompt_latency_ms_at(r.prompt)
+        route = self.routes[r.id] = _Route(r, now, _least_outstanding(self.decode_load))
+        if not self.split:
+            self.decode_load[route.decode].add(r.prompt, 1)
+            job = Job(r.id, r.prompt, 0, r.output, p.memory_bytes(r.prompt + r.output))
+            self._at(arrive, self._enter, (self.decode[route.decode], job))
+            return
+        route.prefill = _least_outstanding(self.prefill_load)
+        self.prefill_load[route.prefill].add(r.prompt, 1)
+        computed = max(r.prompt - 1, 1)  # the prefill leg stops at token N-1 (vLLM computes at least one)
+        route.leg = Job(r.id, computed, 0, 0, p.memory_bytes(computed))
+        self._at(arrive, self._enter, (self.prefill[route.prefill], route.leg))
+
+    def _prefill_answered(self, now: float, route: _Route) -> None:
+        """The prefill leg is done: the router sends the decode leg to the worker it picked on arrival."""
+        p, r = self.profile, route.request
+        self.prefill_load[route.prefill].add(r.prompt, -1)
+        self.decode_load[route.decode].add(r.prompt, 1)
+        plan = p.transfer_plan(r.prompt)
+        job = Job(r.id, r.prompt - plan.transferred_tokens, plan.transferred_tokens, r.output, p.memory_bytes(r.prompt + r.output))
+        if plan.total_bytes:
+            job.pull, job.pull_ms = "wanted", p.transfer_ms(r.prompt)
+        else:  # nothing moves: the decode worker computes the prompt itself
+            self._release(now, self.prefill[route.prefill], route.leg)
+        self._at(now + p.handoff_ms, self._enter, (self.decode[route.decode], job))
+
+    def _finished(self, now: float, route: _Route) -> None:
+        r = route.request
+        del self.routes[r.id]
+        self.decode_load[route.decode].add(r.prompt, -1)
+        self.outcomes.append(Outcome(r, route.sent_ms, route.first_ms, now))
+        if self.unsent:
+            self._send(now, self.unsent.popleft())
+
+    # --- the workers ---
+
+    def _enter(self, now: float, arg: tuple[Engine, Job]) -> None:
+        engine, job = arg
+        engine.submit(job)
+        self._poke(now, engine)
+
+    def _release(self, now: float, engine: Engine, job: Job) -> None:
+        engine.release(job)
+        self._poke(now, engine)
+
+    def _poke(self, now: float, engine: Engine) -> None:
+        """Something reached ``engine``: its scheduler looks at the end of the step in progress, or now."""
+        if engine.step is None:
+            if engine not in self.planning:  # after the other events of this instant
+                self.planning.add(engine)
+                self._at(now, self._plan, engine)
+        elif (shortened := engine.interrupt(now)) is not None:
+            self._at(shortened.end_ms, self._step_end, (engine, shortened))
+
+    def _plan(self, now: float, engine: Engine) -> None:
+        self.planning.discard(engine)
+        if engine.step is not None:
+            return
+        step, pulls = engine.plan(now)
+        for job in pulls:
+            self._at(now + job.pull_ms, self._pulled, (engine, job))
+        if step is not None:
+            self._at(step.end_ms, self._step_end, (engine, step))
+
+    def _pulled(self, now: float, arg: tuple[Engine, Job]) -> None:
+        engine, job = arg
+        job.pull = "done"
+        route = self.routes[job.request_id]
+        self._release(now, self.prefill[route.prefill], route.leg)
+        self._poke(now, engine)
+
+    def _step_end(self, now: float, arg: tuple[Engine, Step]) -> None:
+        engine, step = arg
+        if engine.step is not step:  # a run that was shortened since
+            return
+        sampled, done = engine.finish()
+        for job in sampled:
+            route = self.routes[job.request_id]
+            if math.isnan(route.first_ms):  # not a preempted sequence computed again
+                route.first_ms = now
+        for job in done:
+            route = self.routes[job.request_id]
+            if job is route.leg:
+                self._prefill_answered(now, route)
+            else:
+                engine.release(job)
+                self._finished(now, route)
+        self._poke(now, engine)

@@ -1,0 +1,26 @@
+"""``hybrid-pd size`` end to end on a small profile: the table, the JSON and the plot (bad input: tests/test_cli_usage_errors.py)."""
+
+from __future__ import annotations
+
+import json
+
+from hybrid_pd.cli import main
+from tests.sizing_support import tiny_profile
+
+
+def test_size_lays_out_every_count_and_writes_json_and_a_plot(tmp_path, capsys):
+    tiny_profile().save(tmp_path / "profile.json")
+    argv = ["size", "--profile", str(tmp_path / "profile.json"), "--gpus", "3,1", "--input-len", "100-300", "--output-len", "20",
+            "--concurrency", "8", "--slo-ttft-ms", "100", "--slo-tpot-ms", "8", "--json", str(tmp_path / "out" / "size.json"),
+            "--plot", str(tmp_path / "out" / "size.png")]  # fmt: skip
+    assert main(argv) == 0
+    out = json.loads((tmp_path / "out" / "size.json").read_text())
+    assert [(p["gpus"], p["layout"]) for p in out["predictions"]] == [
+        (1, "1 replicas"), (1, "1 flex"), (3, "3 replicas"), (3, "3 flex"), (3, "1P2D"), (3, "2P1D")
+    ]
+    assert out["workload"] == {"input_len": "100-300", "output_len": "20", "num_prompts": 200, "concurrency": 8, "rate": None, "seed": 0}
+    assert out["profile"] == json.loads((tmp_path / "profile.json").read_text()) and set(out["best"]) == {"1", "3"}
+    assert all(p["completed"] == 200 and 0 <= p["goodput_rps"] <= p["throughput_rps"] for p in out["predictions"])
+    table = capsys.readouterr().out
+    assert "1P2D" in table and "best per GPU count: 1: " in table
+    assert (tmp_path / "out" / "size.png").read_bytes().startswith(b"\x89PNG")

@@ -1,0 +1,136 @@
+"""The sizing simulator against cases computed by hand (profile: tests/sizing_support.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import hybrid_pd.sizing.simulate as simulate_module
+from hybrid_pd.connector.plan import plan_transfer
+from hybrid_pd.sizing.engine import Engine, Job
+from hybrid_pd.sizing.layouts import Layout, layouts
+from hybrid_pd.sizing.simulate import SLO, check_fits, predict, simulate, summarize
+from hybrid_pd.sizing.workload import Lengths, Workload
+from tests.sizing_support import PAGE, SHAPE, tiny_profile
+
+REPLICAS, SPLIT = Layout("replicas", 0, 2), Layout("pd", 1, 1)
+
+
+def fixed(prompt: int, output: int, n: int, concurrency: int | None = None, rate: float | None = None, seed: int = 0) -> Workload:
+    return Workload(Lengths(prompt, prompt), Lengths(output, output), n, concurrency, rate, seed)
+
+
+def test_a_lone_request_takes_its_prompt_latency_and_step_then_one_decode_step_a_token():
+    (o,) = simulate(tiny_profile(), REPLICAS, fixed(100, 10, 1, concurrency=1))
+    assert o.ttft_ms == pytest.approx(11.0 + 5.0 + 0.01 * 100)  # latency table at 100 tokens; a step of 100 prompt tokens
+    # 9 decode steps of one row over 100, 101, ... 108 tokens of context
+    assert o.tpot_ms == pytest.approx(5.0 + 0.5 + 0.001 * (100 + 108) / 2)
+
+
+def test_a_lone_split_request_adds_the_hand_off_the_transfer_of_plans_bytes_and_the_decode_workers_step():
+    (o,) = simulate(tiny_profile(), SPLIT, fixed(100, 10, 1, concurrency=1))
+    moved = plan_transfer(SHAPE, 100, block_size=16).total_bytes
+    prefill = 11.0 + 5.0 + 0.01 * 99  # the prefill worker stops at token N-1
+    assert o.ttft_ms == pytest.approx(prefill + 3.0 + (1.0 + moved / 1e6) + (5.0 + 0.01 * 1))
+    assert o.tpot_ms == pytest.approx(5.0 + 0.5 + 0.001 * (100 + 108) / 2)
+
+
+def test_decode_bound_throughput_stays_under_the_step_bound_and_reaches_it():
+    """max_num_seqs S caps the batch: a request needs m token steps, each step serves <= S, so req/ms <= 1 / (m x base / S + (m - 1) x per_seq)."""
+    profile = tiny_profile(max_num_seqs=4, prefill_per_token_ms=0.0, prompt_latency_ms=[(0, 0.0)],
+                           decode={"base_ms": 5.0, "per_seq_ms": 0.5, "per_context_token_ms": 0.0})  # fmt: skip
+    m = 50
+    bound = 1 / (m * 5.0 / 4 + (m - 1) * 0.5) * 1e3
+    got = predict(profile, Layout("replicas", 0, 1), fixed(1, m, 200, concurrency=16), SLO(1e9, 1e9)).throughput_rps
+    assert 0.97 * bound <= got <= bound * (1 + 1e-9)
+
+
+def test_prefill_bound_throughput_stays_under_the_budget_bound_of_the_one_prefill_worker():
+    """Full steps of B prompt tokens take base + p x B: at most B / (base + p x B) / (N - 1) prefill legs a ms."""
+    profile = tiny_profile(max_num_batched_tokens=4000)
+    bound = 4000 / (5.0 + 0.01 * 4000) / 1000 * 1e3
+    got = predict(profile, SPLIT, fixed(1001, 2, 200, concurrency=64), SLO(1e9, 1e9)).throughput_rps
+    assert 0.9 * bound <= got <= bound
+
+
+def test_a_request_at_the_slo_counts_and_one_just_over_does_not():
+    workload = fixed(100, 10, 1, concurrency=1)
+    outcomes = simulate(tiny_profile(), REPLICAS, workload)
+    (o,) = outcomes
+    at = summarize(REPLICAS, outcomes, SLO(o.ttft_ms, o.tpot_ms))
+    assert at.slo_met == 1 and at.goodput_rps == at.throughput_rps
+    for slo in (SLO(o.ttft_ms - 1e-6, o.tpot_ms), SLO(o.ttft_ms, o.tpot_ms - 1e-6)):
+        assert summarize(REPLICAS, outcomes, slo).goodput_rps == 0
+    assert at.goodput_per_gpu == at.goodput_rps / 2
+
+
+def test_the_router_picks_the_decode_worker_on_arrival_so_a_burst_lands_on_one():
+    """Decode legs count once sent (after the prefill leg): two requests at once both decode on the first worker."""
+    two = simulate(tiny_profile(), Layout("pd", 1, 2), fixed(100, 10, 2, concurrency=2))
+    assert all(o.tpot_ms == pytest.approx(5.0 + 0.5 * 2 + 0.001 * 2 * (100 + 108) / 2) for o in two)
+
+
+def test_the_same_seed_gives_the_same_run_and_another_seed_another():
+    workload = Workload(Lengths(50, 150), Lengths(5, 20), 60, rate=0.05, seed=3)
+    runs = [simulate(tiny_profile(), Layout("pd", 1, 2), w) for w in (workload, workload, dataclasses.replace(workload, seed=4))]
+    assert runs[0] == runs[1] != runs[2]
+
+
+class _OneStep(Engine):
+    """The engine without runs: each pure decode step planned on its own."""
+
+    def plan(self, now_ms: float):
+        step, pulls = super().plan(now_ms)
+        if step is not None and step.count > 1:
+            self.step = step = dataclasses.replace(step, count=1)
+        return step, pulls
+
+
+@pytest.mark.parametrize(
+    ("layout", "workload", "cache_pages"),
+    [
+        (REPLICAS, Workload(Lengths(20, 300), Lengths(5, 80), 80, rate=0.1, seed=1), 4096),
+        (Layout("pd", 1, 2), Workload(Lengths(20, 300), Lengths(5, 80), 80, concurrency=12, seed=2), 4096),
+        (Layout("pd", 2, 1), Workload(Lengths(20, 300), Lengths(5, 80), 80, concurrency=12, seed=3), 60),  # memory-bound: preemption
+    ],
+)
+def test_runs_of_decode_steps_give_the_same_times_as_one_step_at_a_time(monkeypatch, layout, workload, cache_pages):
+    profile = tiny_profile(cache_bytes=cache_pages * PAGE)
+    runs = simulate(profile, layout, workload)
+    monkeypatch.setattr(simulate_module, "Engine", _OneStep)
+    steps = simulate(profile, layout, workload)
+    assert len(runs) == len(steps) == workload.num_prompts
+    for a, b in zip(runs, steps, strict=True):
+        assert a.request == b.request
+        assert (a.first_ms, a.done_ms) == pytest.approx((b.first_ms, b.done_ms), abs=1e-6)
+
+
+def test_out_of_memory_the_last_started_sequence_is_preempted_and_computed_again():
+    engine = Engine(tiny_profile(cache_bytes=8 * PAGE))  # two sequences of 2 state pages + 2 blocks
+    first, second = Job(0, 32, 0, 10), Job(1, 32, 0, 10)
+    engine.submit(first)
+    engine.submit(second)
+    step, _ = engine.plan(0.0)
+    assert [n for _, n in step.tokens] == [32, 32] and engine.free_bytes == 0
+    engine.finish()  # both sampled their first token after 32 computed tokens; the next needs a third block each
+    step, _ = engine.plan(step.end_ms)
+    assert [job for job, _ in step.tokens] == [first]
+    assert engine.waiting == [second] and (second.prompt_left, second.context, second.memory) == (33, 0, 0)
+
+
+def test_a_request_larger_than_the_cache_is_refused_before_it_would_wait_forever():
+    with pytest.raises(ValueError, match="a request of 2000 tokens needs"):
+        check_fits(tiny_profile(cache_bytes=100 * PAGE), fixed(1000, 1000, 1, concurrency=1))
+
+
+def test_layouts_are_replicas_flexible_workers_and_every_split():
+    assert [layout.name for layout in layouts(1)] == ["1 replicas", "1 flex"]
+    assert [layout.name for layout in layouts(4)] == ["4 replicas", "4 flex", "1P3D", "2P2D", "3P1D"]
+
+
+def test_lengths_parse_a_count_or_a_range():
+    assert Lengths.parse("7") == Lengths(7, 7) and str(Lengths.parse("5-9")) == "5-9"
+    for bad in ("0", "9-5", "x"):
+        with pytest.raises(ValueError):
+            Lengths.parse(bad)
