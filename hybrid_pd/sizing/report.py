@@ -38,7 +38,7 @@ def format_table(predictions: list[Prediction], workload: Workload, slo: SLO) ->
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(_COLUMNS)]
     lines = [
         f"{workload.input_len} in / {workload.output_len} out tokens, {workload.load}, {workload.num_prompts} requests; "
-        f"goodput: TTFT <= {slo.ttft_ms:g} ms and TPOT <= {slo.tpot_ms:g} ms (ms columns: predicted by simulation)",
+        f"goodput: TTFT <= {slo.ttft_ms:g} ms and TPOT <= {slo.tpot_ms:g} ms; every figure is simulated",
         "  ".join(c.rjust(w) for c, w in zip(_COLUMNS, widths, strict=True)),
     ]
     lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
