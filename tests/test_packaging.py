@@ -7,6 +7,7 @@ install, and its file list read.
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -16,8 +17,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _wheel_files(tmp_path: Path) -> list[str]:
+    """The files of the wheel pip builds from a copy of this tree (setuptools writes build/ and *.egg-info beside the sources)."""
+    source = tmp_path / "source"
+    for name in ("pyproject.toml", "README.md"):
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / name, source / name)
+    shutil.copytree(ROOT / "hybrid_pd", source / "hybrid_pd", ignore=shutil.ignore_patterns("__pycache__"))
     done = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(ROOT)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(source)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]

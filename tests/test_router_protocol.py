@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -332,3 +333,36 @@ async def test_a_streamed_prompt_list_is_relayed_as_one_answer(client, workers):
     assert sorted(c["choices"][0]["index"] for c in chunks if c["choices"]) == [0, 1]
     assert [c["usage"]["total_tokens"] for c in chunks if "usage" in c] == [14]
     assert [w.inflight for w in client._transport.app.state.router.registry.all()] == [0, 0]
+
+
+async def test_requests_whose_prefills_run_at_once_go_to_different_decode_workers():
+    """The decode worker is counted from when it is chosen: requests that arrive while the first one's prefill runs
+    must see it busy. Before, its lease began with the decode leg, and every request of a burst picked the same one."""
+    second_decode = "http://decode-b.test:3"
+    prefills_in = asyncio.Event()
+    waiting = 0
+    decoded_on: list[str] = []
+    answer = {"choices": [{"index": 0, "text": " decoded"}], "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}}
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        nonlocal waiting
+        if request.method == "GET":
+            return httpx.Response(200, json={"object": "list", "data": [{"id": "m"}]} if request.url.path == "/v1/models" else {})
+        if request.url.host == "prefill.test":
+            waiting += 1
+            if waiting == 2:
+                prefills_in.set()
+            await prefills_in.wait()  # both prefills in flight before either answers
+            return httpx.Response(200, json={**answer, "kv_transfer_params": KV})
+        decoded_on.append(request.url.host)
+        return httpx.Response(200, json=answer)
+
+    app = router_app(handler, decode=[DECODE, second_decode])
+    async with app.router.lifespan_context(app), asgi_client(app) as client:
+        for worker in app.state.router.registry.all():
+            app.state.router.registry.record_health(worker, ok=True)
+        body = {"model": "m", "prompt": "hello there", "max_tokens": 3}
+        answers = await asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(2)))
+    assert [r.status_code for r in answers] == [200, 200]
+    assert sorted(decoded_on) == ["decode-b.test", "decode.test"]
+    assert [w.inflight for w in app.state.router.registry.all()] == [0, 0, 0]

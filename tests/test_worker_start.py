@@ -98,7 +98,8 @@ def test_a_start_that_prints_only_waiting_lines_is_ended_after_the_stall_window(
     code, took = _run_stand_in(monkeypatch, model_dir, stand_in, start_stall_s=3)
     assert code == worker.EXIT_VLLM_FAILED
     assert 3 <= took < 15
-    assert "printed nothing and did not answer /health for 3 s while starting" in caplog.text
+    # The silence it names is measured at a check (every 0.5 s): 3 s or just over, never under.
+    assert re.search(r"printed nothing and did not answer /health for [34] s while starting", caplog.text), caplog.text
 
 
 def test_a_pd_worker_refuses_a_mamba1_model_before_vllm_starts(tmp_path):

@@ -222,6 +222,9 @@ async def route(state: RouterState, path: str, body: dict[str, Any], request_id:
         if not pairing.decode_available():
             await state.registry.check_all(state.upstream)  # evicted workers may be back: look now, not at the next round
         decode = pairing.decode(info, tried)
+        # Counted on the decode worker from now, not from when its leg is sent: requests that arrive
+        # while this one's prefill runs must see it there, or they all pick the same decode worker.
+        lease = state.registry.lease(decode, info.est_tokens)
         choice = pairing.prefill(decode, info)
         kv_params, prefill_usage, reason = None, None, choice.reason
         if choice.worker is not None:
@@ -229,11 +232,16 @@ async def route(state: RouterState, path: str, body: dict[str, Any], request_id:
             if trace is not None:
                 trace.event("prefill_sent", rid=request_id)
             leg_started = time.perf_counter()
-            outcome = await _prefill_leg(state, choice.worker, path, leg_body, headers, info)
+            try:
+                outcome = await _prefill_leg(state, choice.worker, path, leg_body, headers, info)
+            except BaseException:
+                lease.release()  # cancelled (the client left) during the prefill leg
+                raise
             prefill_s += time.perf_counter() - leg_started
             if trace is not None:
                 trace.event("prefill_answered", rid=request_id)
             if outcome.kind == "refused":
+                lease.release()
                 return Routed(outcome.response, choice.worker, None, None, time.perf_counter())
             kv_params, prefill_usage = outcome.kv_transfer_params, outcome.usage
             if kv_params is None:  # failed, or answered without the state's whereabouts: the decode worker prefills
@@ -243,7 +251,7 @@ async def route(state: RouterState, path: str, body: dict[str, Any], request_id:
         leg_body = encoder.encode(decode_body(body, kv_params, request_id))
         if trace is not None:
             trace.event("decode_sent", rid=request_id)
-        routed = await _decode_leg(state, decode, path, leg_body, headers, info, prefill_usage, attempt)
+        routed = await _decode_leg(state, decode, lease, path, leg_body, headers, prefill_usage, attempt)
         if routed is not None:
             if log.isEnabledFor(logging.INFO):  # one line per request: skip formatting it when INFO is off
                 log.info(
@@ -282,10 +290,12 @@ async def _prefill_leg(state: RouterState, prefill: Worker, path: str, leg_body:
 
 
 async def _decode_leg(
-    state: RouterState, decode: Worker, path: str, leg_body: bytes, headers: dict, info: RequestInfo, prefill_usage: dict | None, attempt: int
+    state: RouterState, decode: Worker, lease: Lease, path: str, leg_body: bytes, headers: dict, prefill_usage: dict | None, attempt: int
 ) -> Routed | None:
-    """Send the decode leg and return its open answer; None when ``decode`` failed before answering (a 5xx or no answer)."""
-    lease = state.registry.lease(decode, info.est_tokens)
+    """Send the decode leg and return its open answer; None when ``decode`` failed before answering (a 5xx or no answer).
+
+    ``lease`` counts the request on ``decode`` since it was chosen; the answer holds it, a failure releases it.
+    """
     sent_at = time.perf_counter()
     try:
         response = await state.upstream.request("POST", decode.url + path, json_body=leg_body, headers=headers, stream=True)
