@@ -6,9 +6,8 @@ its default policy, least outstanding (fewest legs in flight, then fewest prompt
 flight, then the first worker):
 
 - replicas and flexible workers: each request goes whole to one worker;
-- xPyD: the decode worker is picked when the request arrives, counting the decode legs in
-  flight (not the requests still in their prefill leg, as the router counts them), then a
-  prefill worker by its prefill legs in flight. The prefill leg computes the prompt up to token
+- xPyD: the decode worker is picked when the request arrives and counts it from then on
+  (the router's lease, prefill leg included), then a prefill worker by its prefill legs in flight. The prefill leg computes the prompt up to token
   N-1 and holds its state; ``handoff_ms`` later the decode leg reaches the decode worker, which
   reserves memory, pulls the state (:meth:`Profile.transfer_ms`; the prefill worker's memory is
   freed when the pull ends) and computes token N as its first step.
@@ -206,8 +205,8 @@ class _Simulation:
         p = self.profile
         arrive = now + p.prompt_latency_ms_at(r.prompt)
         route = self.routes[r.id] = _Route(r, now, _least_outstanding(self.decode_load))
+        self.decode_load[route.decode].add(r.prompt, 1)
         if not self.split:
-            self.decode_load[route.decode].add(r.prompt, 1)
             job = Job(r.id, r.prompt, 0, r.output, p.memory_bytes(r.prompt + r.output))
             self._at(arrive, self._enter, (self.decode[route.decode], job))
             return
@@ -221,7 +220,6 @@ class _Simulation:
         """The prefill leg is done: the router sends the decode leg to the worker it picked on arrival."""
         p, r = self.profile, route.request
         self.prefill_load[route.prefill].add(r.prompt, -1)
-        self.decode_load[route.decode].add(r.prompt, 1)
         plan = p.transfer_plan(r.prompt)
         job = Job(r.id, r.prompt - plan.transferred_tokens, plan.transferred_tokens, r.output, p.memory_bytes(r.prompt + r.output))
         if plan.total_bytes:
