@@ -133,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--prompt-tokens", type=at_least(1), default=1000)
     plan.add_argument("--block-size", type=at_least(1), default=128)
     plan.add_argument(
+        "--decode-cached-tokens", type=at_least(0), default=0,
+        help="the prompt's first tokens the decode worker's prefix cache holds (whole blocks): only the rest moves",
+    )  # fmt: skip
+    plan.add_argument(
         "--bandwidth-gbps", type=checked(float, checks.positive), default=25.0, help="GB/s used for the time estimate"
     )
     plan.add_argument(
@@ -229,7 +233,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         drafts = draft_tokens(args.speculative_config) if args.speculative_config else 0
         drafting = Speculation(drafts, _draft_state_moved(args.vllm_moves_draft_state)) if drafts else None
         plan = plan_transfer(
-            shape, args.prompt_tokens, args.prefill_tp, args.decode_tp, args.block_size, args.bandwidth_gbps, drafting
+            shape, args.prompt_tokens, args.prefill_tp, args.decode_tp, args.block_size, args.bandwidth_gbps, drafting, args.decode_cached_tokens
         )
     except PlanError as exc:
         raise UsageError(str(exc)) from None

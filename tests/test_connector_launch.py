@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from hybrid_pd.connector.contract import AWAIT_ENV, DELAY_ENV, MERGE_ENV, TIMELINE_DIR_ENV, TIMELINE_SOURCE_ENV, TRACE_ENV
+from hybrid_pd.connector.contract import AWAIT_ENV, CPU_PREFIX_CACHING, DELAY_ENV, ENGINE_FIXES_ENV, MERGE_ENV, TIMELINE_DIR_ENV, TIMELINE_SOURCE_ENV, TRACE_ENV
 from hybrid_pd.connector.launch import WorkerSpec, build_launch
 
 
@@ -213,3 +213,18 @@ def test_gdn_prefill_runs_on_triton_on_gpus_without_flashinfer(tmp_path, monkeyp
         assert "--gdn-prefill-backend" not in build_launch(other).argv  # CPU, or no GDN model (no readable config)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flashinfer" else real_find_spec(name, *a))
     assert "--gdn-prefill-backend" not in build_launch(_spec("prefill", device="cuda", model=_gdn_model(tmp_path))).argv
+
+
+def test_cpu_servers_of_a_mamba2_model_get_our_prefix_caching_fix_and_keep_the_cache_off_unless_asked(tmp_path):
+    from hybrid_pd.default_model import ensure_default_model
+    from hybrid_pd.models.families import FAMILIES
+
+    mamba2 = str(ensure_default_model())
+    for role in ("prefill", "decode", "flex", "colocated"):
+        launch = build_launch(_spec(role, model=mamba2, side_channel_port=0 if role == "colocated" else 5600))
+        assert launch.env[ENGINE_FIXES_ENV] == CPU_PREFIX_CACHING and "--no-enable-prefix-caching" in launch.argv
+    asked = build_launch(_spec("decode", model=mamba2, vllm_args=("--enable-prefix-caching",))).argv
+    assert asked.index("--enable-prefix-caching") > asked.index("--no-enable-prefix-caching")  # the last one wins in vLLM's parser
+    (tmp_path / "config.json").write_text(FAMILIES["qwen3_next"].config().to_json_string())
+    assert ENGINE_FIXES_ENV not in build_launch(_spec("decode", model=str(tmp_path))).env  # GDN: not what the fix is for
+    assert ENGINE_FIXES_ENV not in build_launch(_spec("decode", model=mamba2, device="cuda")).env

