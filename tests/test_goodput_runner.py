@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybrid_pd.bench.gpu.goodput import SYSTEMS, Workload, summarize, table
+from hybrid_pd.bench.gpu.goodput import SYSTEMS, Workload, _server_flags, parse_args, summarize, table
 
 
 def _result(ttfts, latencies, output_lens, errors=None, duration=2.0):
@@ -50,3 +50,12 @@ def test_every_system_but_the_baseline_runs_hybrid_pd_on_the_flex_workers():
     assert argv["pd"][-4:] == ["--prefill", "http://flex0", "--decode", "http://flex1"]
     assert argv["adaptive"][-8:] == ["--flex", "http://flex0", "--flex", "http://flex1", "--slo-ttft-ms", "500", "--slo-tpot-ms", "20"]
     assert str(Workload.parse("3000/128")) == "3000/128"
+
+
+def test_the_detached_server_process_gets_the_runs_systems_and_extra_flags(tmp_path):
+    """``run`` starts ``serve`` in another process from these flags: it started every system's servers before (--systems was not passed on)."""
+    args = parse_args(["run", "--out", str(tmp_path), "--model", str(tmp_path), "--systems", "pd", "--server-arg=--vllm-arg=--enable-prefix-caching",
+                       "--router-arg=--decode-policy=prefix_reuse", "--slo", "400/30"])  # fmt: skip
+    again = parse_args(["serve", *_server_flags(args)])
+    assert again.systems == ["pd"] and again.slo == [(400.0, 30.0)]
+    assert again.server_arg == ["--vllm-arg=--enable-prefix-caching"] and again.router_arg == ["--decode-policy=prefix_reuse"]

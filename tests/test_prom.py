@@ -1,6 +1,6 @@
 """Reading vLLM's Prometheus text."""
 
-from hybrid_pd.common.prom import metric_label, metric_sum
+from hybrid_pd.common.prom import cache_block_size, metric_label, metric_sum, prefix_hit_tokens
 
 TEXT = """# HELP vllm:num_requests_running Number of requests
 vllm:num_requests_running{engine="0",model_name="m"} 2.0
@@ -18,3 +18,16 @@ def test_sum_over_label_sets_only_of_that_name():
 def test_label_of_an_info_metric():
     assert metric_label(TEXT, "vllm:cache_config_info", "block_size") == "128"
     assert metric_label(TEXT, "vllm:cache_config_info", "nope") is None
+
+
+def _info(**labels: str) -> str:
+    return "vllm:cache_config_info{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "} 1.0\n"
+
+
+def test_prefix_hit_granule_is_none_without_prefix_caching_and_the_checkpoint_block_with_it():
+    assert prefix_hit_tokens(_info(block_size="2048", enable_prefix_caching="False", mamba_block_size="None")) is None
+    assert prefix_hit_tokens(_info(block_size="128", enable_prefix_caching="True", mamba_block_size="None")) == 128
+    on = _info(block_size="2048", enable_prefix_caching="True", mamba_block_size="1040", cache_hit_alignment_tokens="None")
+    assert prefix_hit_tokens(on) == 1040 and cache_block_size(on) == 2048
+    assert prefix_hit_tokens(_info(block_size="2048", enable_prefix_caching="True", cache_hit_alignment_tokens="520", mamba_block_size="1040")) == 520
+    assert prefix_hit_tokens("") is None and cache_block_size("") is None

@@ -10,6 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from hybrid_pd.router.decider import LOCAL_REASONS, SPLIT_REASONS
 from hybrid_pd.router.metrics import GENERATION, MIGRATION_OUTCOMES, OUTCOMES, REFUSALS, ROUTES
+from hybrid_pd.router.policies import PREFIX_OUTCOMES
 from tests.router_support import DECODE, PREFILL
 
 ROUTER = Path(__file__).resolve().parents[1] / "hybrid_pd" / "router"
@@ -39,6 +40,10 @@ async def test_every_counter_has_its_known_series_at_zero_before_any_request(cli
     for outcome in MIGRATION_OUTCOMES:
         assert _value(text, "hybrid_pd_migrations_total", outcome=outcome) == 0, outcome
     assert _value(text, "hybrid_pd_retries_total") == 0
+    for role in ("prefill", "decode"):
+        assert _value(text, "hybrid_pd_prefix_reusable_tokens_total", role=role) == 0, role
+        for outcome in PREFIX_OUTCOMES:
+            assert _value(text, "hybrid_pd_prefix_routes_total", role=role, outcome=outcome) == 0, (role, outcome)
     for role, url in (("prefill", PREFILL), ("decode", DECODE)):
         assert _value(text, "hybrid_pd_worker_inflight", role=role, url=url) == 0, role
 

@@ -6,7 +6,8 @@ import pytest
 
 from hybrid_pd.connector.compat import IncompatibleWorkers, WorkerIdentity
 from hybrid_pd.router.pairing import compatible_prefills
-from hybrid_pd.router.policies import LeastOutstanding, PowerOfTwo, PrefixAffinity, RequestInfo, RoundRobin, make_policy
+from hybrid_pd.router.policies import LeastOutstanding, PolicyContext, PowerOfTwo, PrefixAffinity, RequestInfo, RoundRobin, make_policy
+from hybrid_pd.router.prefix_index import CHARS_PER_TOKEN, GRAIN_TOKENS, SentPrefixes, prefix_chain, reusable_tokens
 from hybrid_pd.router.registry import Registry, Worker
 
 
@@ -169,3 +170,76 @@ def test_request_info_never_fails_on_malformed_fields():
     """Found by the e2e fuzz run: ``{"messages": true}`` was a 500; vLLM must get to say 400."""
     for body in ({"messages": True}, {"messages": "hi"}, {"prompt": None}, {"messages": [1, None]}):
         RequestInfo.from_body(body)
+
+
+# prefix_reuse (hybrid_pd/router/prefix_index.py): what a worker can resume is the prefix it was sent,
+# rounded down to the granule where its vLLM's prefix-cache hits land (a hybrid's state checkpoint block).
+def _ids(n, start=0):
+    return list(range(start, start + n))
+
+
+def _reuse(**context):
+    reported = []
+    policy = make_policy("prefix_reuse", PolicyContext(report=lambda outcome, tokens: reported.append((outcome, tokens)), **context))
+    return policy, reported
+
+
+def test_prefix_chain_grains_stand_for_the_whole_prefix():
+    a, b = prefix_chain(_ids(100)), prefix_chain(_ids(100)[:50] + _ids(50, 1000))
+    assert len(a) == 100 // GRAIN_TOKENS and a[:3] == b[:3] and a[3] != b[3]  # part at grain 4 (tokens 48-63)
+    assert prefix_chain([1, 2, 3]) == []  # shorter than a grain
+    text = "x" * (GRAIN_TOKENS * CHARS_PER_TOKEN * 2)
+    assert len(prefix_chain(text)) == 2 and prefix_chain(text)[1] != prefix_chain("y" + text[1:])[1]
+
+
+def test_reusable_is_the_match_rounded_down_to_the_checkpoint_and_short_of_the_prompt():
+    assert reusable_tokens(matched_grains=20, prompt_tokens=1000, granule=128) == 256  # 320 matched -> 2 blocks
+    assert reusable_tokens(20, 1000, None) == 0  # prefix caching off there
+    assert reusable_tokens(7, 1000, 128) == 0  # 112 matched attention tokens, no checkpoint: nothing
+    assert reusable_tokens(16, 256, 128) == 128  # the whole prompt matched: vLLM computes its last token
+
+
+def test_sent_prefixes_forget_the_oldest_beyond_capacity():
+    sent = SentPrefixes()
+    first, second = prefix_chain(_ids(64)), prefix_chain(_ids(64, 500))
+    sent.record(first, capacity_tokens=64)
+    assert sent.matched_grains(first) == 4
+    sent.record(second, capacity_tokens=64)
+    assert sent.matched_grains(first) == 0 and sent.matched_grains(second) == 4
+
+
+def test_prefix_reuse_sends_each_turn_where_its_conversation_can_resume():
+    workers = [_w("http://a", prefix_hit_tokens=128), _w("http://b", prefix_hit_tokens=128)]
+    policy, reported = _reuse()
+    system = _ids(300, 7)
+    turn = lambda n: RequestInfo(len(system) + n, prompt=system + _ids(n, 2000))  # noqa: E731
+    first = policy.choose(workers, turn(40))
+    workers[0 if first is workers[1] else 1].inflight = 1  # the other one looks less busy now
+    assert policy.choose(workers, turn(100)) is first
+    assert reported == [("miss", 0), ("hit", 256)]
+
+
+def test_prefix_reuse_ignores_matches_without_a_checkpoint_and_workers_without_caching():
+    cached, uncached = _w("http://a", prefix_hit_tokens=128), _w("http://b", inflight=1)
+    policy, reported = _reuse()
+    prompt = _ids(500)
+    policy.choose([uncached], RequestInfo(500, prompt=prompt))  # b saw it, but caches nothing
+    assert policy.choose([cached, uncached], RequestInfo(500, prompt=prompt)) is cached  # least loaded: a miss
+    cached.inflight = 2
+    short = _ids(100)  # a prefix of the prompt a holds, shorter than one checkpoint block
+    assert policy.choose([cached, uncached], RequestInfo(100, prompt=short)) is uncached
+    assert [outcome for outcome, _ in reported] == ["miss", "miss", "miss"]
+
+
+def test_prefix_reuse_gives_way_to_load_beyond_the_slack():
+    holder, idle = _w("http://a", prefix_hit_tokens=128), _w("http://b", prefix_hit_tokens=128)
+    policy, reported = _reuse(load_slack=2)
+    prompt = _ids(600)
+    policy.choose([holder], RequestInfo(600, prompt=prompt))
+    holder.inflight = 2
+    assert policy.choose([holder, idle], RequestInfo(600, prompt=prompt)) is holder  # within the slack
+    holder.inflight = 3
+    assert policy.choose([holder, idle], RequestInfo(600, prompt=prompt)) is idle
+    assert reported[1:] == [("hit", 512), ("balanced", 0)]
+    idle.inflight = 9  # now both hold it: the less busy one, a hit either way
+    assert policy.choose([holder, idle], RequestInfo(600, prompt=prompt)) is holder and reported[-1] == ("hit", 512)

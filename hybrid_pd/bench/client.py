@@ -65,6 +65,7 @@ class RequestResult:
     usage_reported: bool = False
     error: str | None = None
     status: int | None = None
+    output_ids: tuple[int, ...] = ()  # streamed ``token_ids`` (vLLM's ``return_token_ids``), when asked for
 
     @property
     def ok(self) -> bool:
@@ -91,6 +92,7 @@ class _Stream:
     gaps: list[float] = field(default_factory=list)
     events_with_tokens: int = 0
     usage: dict[str, Any] | None = None
+    ids: list[int] = field(default_factory=list)
     done_at: float | None = None  # when ``[DONE]`` arrived
     error: str | None = None
 
@@ -119,6 +121,7 @@ class _Stream:
                 self.gaps.append(now - self.last)
             self.last = now
             self.events_with_tokens += 1
+            self.ids.extend(event["choices"][0].get("token_ids") or ())
         if event.get("usage"):
             self.usage = event["usage"]
 
@@ -169,6 +172,7 @@ async def _streamed(client: httpx.AsyncClient, url: str, body: dict[str, Any], h
         usage_reported=isinstance(tokens, int),
         error=error,
         status=status,
+        output_ids=tuple(seen.ids),
     )
 
 

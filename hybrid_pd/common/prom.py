@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["metric_label", "metric_sum"]
+__all__ = ["cache_block_size", "metric_label", "metric_sum", "prefix_hit_tokens"]
 
 
 def metric_sum(text: str, name: str) -> float:
@@ -16,3 +16,27 @@ def metric_label(text: str, name: str, label: str) -> str | None:
     """The value of ``label`` on the first sample of ``name`` (e.g. ``vllm:cache_config_info``)."""
     match = re.search(rf'^{re.escape(name)}\{{[^}}]*\b{re.escape(label)}="([^"]*)"', text, re.M)
     return match.group(1) if match else None
+
+
+def _positive(value: str | None) -> int | None:
+    return int(value) if value and value.isdigit() and int(value) > 0 else None
+
+
+def cache_block_size(text: str) -> int | None:
+    """The block size in vLLM's ``cache_config_info`` (the scheduler's; None when not exposed)."""
+    return _positive(metric_label(text, "vllm:cache_config_info", "block_size"))
+
+
+def prefix_hit_tokens(text: str) -> int | None:
+    """The granule at which vLLM's prefix-cache hits land, from its ``cache_config_info``; None when prefix caching is off.
+
+    For a hybrid that is the state checkpoint block: ``cache_hit_alignment_tokens`` where vLLM
+    exposes it, else ``mamba_block_size``, else the block size.
+    """
+    if metric_label(text, "vllm:cache_config_info", "enable_prefix_caching") != "True":
+        return None
+    for label in ("cache_hit_alignment_tokens", "mamba_block_size", "block_size"):
+        value = _positive(metric_label(text, "vllm:cache_config_info", label))
+        if value is not None:
+            return value
+    return None

@@ -40,6 +40,9 @@ class WorkerIdentity:
     model: str | None = None
     dtype: str | None = None
     block_size: int | None = None
+    # Where its prefix-cache hits land (a hybrid's state checkpoint block); None: prefix caching off
+    # or unknown. Informational, not a pairing rule: the router's prefix_reuse policy reads it.
+    prefix_hit_tokens: int | None = None
     tensor_parallel_size: int | None = None
     pipeline_parallel_size: int | None = None
     conv_state_layout: str | None = None

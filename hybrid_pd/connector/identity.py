@@ -24,17 +24,18 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def worker_identity(spec: WorkerSpec, block_size: int | None) -> WorkerIdentity:
-    """The identity of the worker ``spec`` describes; ``block_size`` as its running vLLM reports it (None: unknown).
+def worker_identity(spec: WorkerSpec, block_size: int | None, prefix_hit_tokens: int | None = None) -> WorkerIdentity:
+    """The identity of the worker ``spec`` describes; ``block_size`` and ``prefix_hit_tokens`` as its running vLLM reports them (None: unknown, or prefix caching off).
 
-    vLLM picks the block size itself (per model and device), so only the running
-    server can say; everything else follows from the spec and the installed packages.
+    vLLM picks both itself (per model and device), so only the running server can say;
+    everything else follows from the spec and the installed packages.
     """
     return WorkerIdentity(
         role=spec.role,
         model=spec.served_model_name or spec.model,
         dtype=dtype(spec),
         block_size=block_size,
+        prefix_hit_tokens=prefix_hit_tokens,
         tensor_parallel_size=spec.tensor_parallel_size,
         pipeline_parallel_size=1,
         conv_state_layout=CONV_STATE_LAYOUT,

@@ -35,13 +35,14 @@ from hybrid_pd.common.logs import request_id_var
 from hybrid_pd.common.openai_errors import OpenAIError, error_body
 from hybrid_pd.connector.compat import WorkerIdentity
 from hybrid_pd.router.admin import admin_routes
+from hybrid_pd.router.autoscale import register_signals
 from hybrid_pd.router.aux_endpoints import AUX_PATHS, forward
 from hybrid_pd.router.disconnect import cancel_on_disconnect
 from hybrid_pd.router.jsoncodec import dumps, loads_strict
 from hybrid_pd.router.metrics import GENERATION, Route, RouterMetrics
 from hybrid_pd.router.pairing import Pairing
 from hybrid_pd.router.phase_split import PhaseSplit
-from hybrid_pd.router.policies import make_policy
+from hybrid_pd.router.policies import PolicyContext, make_policy
 from hybrid_pd.router.registry import ROLES, Registry, Worker
 from hybrid_pd.router.relay import answer_whole, relay_answers
 from hybrid_pd.router.route import decode_chunks, route_request
@@ -81,6 +82,10 @@ class RouterApp(FastAPI):
             await _serve(self._router_state, scope, receive, send, served[1])
 
 
+def _policy_context(settings: RouterSettings, metrics: RouterMetrics, role: str) -> PolicyContext:
+    return PolicyContext(settings.prefix_index_tokens, settings.prefix_load_slack, metrics.prefix_reporter(role))
+
+
 def create_app(settings: RouterSettings, transport: httpx.AsyncBaseTransport | None = None) -> RouterApp:
     """Build the router app for ``settings``; its HTTP client and health loop live as long as the app.
 
@@ -93,12 +98,13 @@ def create_app(settings: RouterSettings, transport: httpx.AsyncBaseTransport | N
             registry.add(Worker(url=url, role=role, identity=WorkerIdentity(role=role), static=True))
     pairing = Pairing(
         registry,
-        decode_policy=make_policy(settings.decode_policy),
-        prefill_policy=make_policy(settings.prefill_policy),
+        decode_policy=make_policy(settings.decode_policy, _policy_context(settings, metrics, "decode")),
+        prefill_policy=make_policy(settings.prefill_policy, _policy_context(settings, metrics, "prefill")),
         split=PhaseSplit(settings.split_policy),
         min_tokens=settings.local_prefill_below_tokens,
         per_worker_limit=settings.max_concurrency_per_worker,
     )
+    register_signals(metrics.registry, registry, settings.max_concurrency_per_worker)
     state = RouterState(settings=settings, registry=registry, metrics=metrics, pairing=pairing)
     timeout = httpx.Timeout(settings.request_timeout_s, connect=settings.connect_timeout_s)
 

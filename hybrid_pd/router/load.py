@@ -33,6 +33,7 @@ class LiveLoad:
     """The count and the average behind :class:`LoadView`, changed by the router's leases and relays."""
 
     decodes: int = 0
+    prefill_tokens: int = 0  # prompt tokens of the prefill legs in flight here (hybrid_pd/router/autoscale.py)
     tpot_s: float | None = None
     tpot_at: float = 0.0
 

@@ -10,11 +10,13 @@ request had no prefill leg, how a migration went, which refusals the router answ
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Literal, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from hybrid_pd.router.decider import LOCAL_REASONS, SPLIT_REASONS
+from hybrid_pd.router.policies import PREFIX_OUTCOMES
 
 __all__ = ["MIGRATION_OUTCOMES", "OUTCOMES", "REFUSALS", "ROUTES", "Outcome", "Route", "RouterMetrics"]
 
@@ -77,6 +79,18 @@ class RouterMetrics:
         self.phase_split = Gauge(
             "hybrid_pd_phase_split", "1 while the flexible workers are split by phase (hybrid_pd/router/phase_split.py), else 0", registry=r
         )
+        self.prefix_routes = Counter(
+            "hybrid_pd_prefix_routes",
+            "prefix_reuse choices, by role and outcome: hit (the worker that can resume most), miss (none can), balanced (the best was too busy)",
+            ["role", "outcome"],
+            registry=r,
+        )
+        self.prefix_reusable = Counter(
+            "hybrid_pd_prefix_reusable_tokens",
+            "Prompt tokens the chosen worker is expected to resume from a state checkpoint (prefix_reuse), by role",
+            ["role"],
+            registry=r,
+        )
         self.retries = Counter("hybrid_pd_retries", "Decode legs retried on another worker", registry=r)
         self.migrations = Counter(
             "hybrid_pd_migrations", "Streams carried to another decode worker after theirs broke or stalled", ["outcome"], registry=r
@@ -92,10 +106,24 @@ class RouterMetrics:
             self.fallbacks.labels(reason)
         for reason in SPLIT_REASONS:
             self.disaggregated.labels(reason)
+        for role in ("prefill", "decode"):
+            self.prefix_reusable.labels(role)
+            for outcome in PREFIX_OUTCOMES:
+                self.prefix_routes.labels(role, outcome)
         for outcome in MIGRATION_OUTCOMES:
             self.migrations.labels(outcome)
         for status in REFUSALS:
             self.rejected.labels(str(status))
+
+    def prefix_reporter(self, role: str) -> Callable[[str, int], None]:
+        """What ``prefix_reuse`` picking for ``role`` tells: each choice's outcome and expected reusable tokens."""
+        routes, reusable = {o: self.prefix_routes.labels(role, o) for o in PREFIX_OUTCOMES}, self.prefix_reusable.labels(role)
+
+        def report(outcome: str, tokens: int) -> None:
+            routes[outcome].inc()
+            reusable.inc(tokens)
+
+        return report
 
     def finished(self, route: Route, outcome: str, arrived: float) -> None:
         """Count a request that reached a worker; a generation request's time from ``arrived`` (perf_counter) to now."""

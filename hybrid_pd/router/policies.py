@@ -3,7 +3,8 @@
 They are the last step of :mod:`hybrid_pd.router.pairing`'s pipeline: filters
 (available, compatible, under the per-worker limit) -> decider -> policy. The decode
 worker is chosen first, then a prefill worker compatible with it; each role has its
-own policy, set in the router's settings.
+own policy, set in the router's settings. ``prefix_reuse`` also reads what the router sent each
+worker before (:mod:`hybrid_pd.router.prefix_index`), for multi-turn chat and shared system prompts.
 """
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ import bisect
 import hashlib
 import itertools
 import random
-from collections.abc import Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, get_args
 
+from hybrid_pd.router.prefix_index import prefix_chain, reusable_tokens
 from hybrid_pd.router.registry import Worker
 
-__all__ = ["POLICIES", "Policy", "RequestInfo", "make_policy"]
+__all__ = ["POLICIES", "PREFIX_OUTCOMES", "Policy", "PolicyContext", "PrefixOutcome", "RequestInfo", "make_policy"]
 
 
 class RequestInfo:
@@ -28,7 +31,7 @@ class RequestInfo:
     joins hundreds of ids, a cost every other policy would pay for nothing.
     """
 
-    __slots__ = ("est_tokens", "_key", "_prompt", "_prefix_chars")
+    __slots__ = ("est_tokens", "_key", "_prompt", "_prefix_chars", "_chain")
 
     def __init__(
         self, est_tokens: int, affinity_key: str | None = None, prompt: str | Sequence[int] = "", prefix_chars: int = 256
@@ -37,6 +40,7 @@ class RequestInfo:
         self._key = affinity_key
         self._prompt = prompt
         self._prefix_chars = prefix_chars
+        self._chain: list[int] | None = None
 
     @classmethod
     def from_body(cls, body: dict[str, Any], prefix_chars: int = 256) -> RequestInfo:
@@ -63,6 +67,13 @@ class RequestInfo:
             prompt, n = self._prompt, self._prefix_chars
             self._key = prompt[:n] if isinstance(prompt, str) else " ".join(map(str, prompt[:n]))[:n]
         return self._key
+
+    @property
+    def prefix_chain(self) -> list[int]:
+        """The prompt's grain hashes (:func:`hybrid_pd.router.prefix_index.prefix_chain`), cut the first time ``prefix_reuse`` reads them."""
+        if self._chain is None:
+            self._chain = prefix_chain(self._prompt)
+        return self._chain
 
 
 class Policy(Protocol):
@@ -126,16 +137,70 @@ class PrefixAffinity:
         return by_url[ring[point][1]]
 
 
+# How a prefix_reuse choice went: the worker that can resume most, none could resume any, or a
+# less loaded one because the best was too busy.
+PrefixOutcome = Literal["hit", "miss", "balanced"]
+PREFIX_OUTCOMES: tuple[PrefixOutcome, ...] = get_args(PrefixOutcome)
+
+
+@dataclass(frozen=True)
+class PolicyContext:
+    """What a policy may need beyond the candidates: only ``prefix_reuse`` reads it.
+
+    ``report(outcome, reusable_tokens)`` is told each choice (the router's metrics).
+    """
+
+    index_tokens: int = 1_000_000
+    load_slack: int = 4
+    report: Callable[[PrefixOutcome, int], None] = lambda outcome, tokens: None
+
+
+class PrefixReuse:
+    """The candidate that can resume the longest part of the prompt from a state checkpoint, unless it is too busy.
+
+    What each worker can resume is the prefix the router sent it before, rounded down to the
+    granule its vLLM reports (:mod:`hybrid_pd.router.prefix_index`): for a hybrid, matching
+    attention blocks past the last state checkpoint reuse nothing, and a worker with prefix
+    caching off reuses nothing at all. When no candidate can resume a checkpoint, or the best
+    has more than ``load_slack`` legs in flight above the least loaded (one hot conversation or
+    system prompt must not pin a worker), the least loaded takes it, as ``least_outstanding``
+    would; it then holds the prefix too, and later turns spread over both.
+    """
+
+    def __init__(self, context: PolicyContext | None = None) -> None:
+        self._context = context or PolicyContext()
+
+    def choose(self, candidates: list[Worker], request: RequestInfo) -> Worker:
+        chain = request.prefix_chain
+        reusable = {
+            w.id: reusable_tokens(w.prefixes.matched_grains(chain), request.est_tokens, w.identity.prefix_hit_tokens) for w in candidates
+        }
+        least = min(candidates, key=lambda w: (w.inflight, w.inflight_tokens, w.url))
+        best = max(candidates, key=lambda w: (reusable[w.id], -w.inflight, -w.inflight_tokens))
+        if reusable[best.id] == 0:
+            pick, outcome = least, "miss"
+        elif best.inflight - least.inflight > self._context.load_slack:
+            pick, outcome = least, "balanced"
+        else:
+            pick, outcome = best, "hit"
+        pick.prefixes.record(chain, self._context.index_tokens)
+        self._context.report(outcome, reusable[pick.id])
+        return pick
+
+
 POLICIES = {
     "round_robin": RoundRobin,
     "least_outstanding": LeastOutstanding,
     "power_of_two": PowerOfTwo,
     "prefix_affinity": PrefixAffinity,
+    "prefix_reuse": PrefixReuse,
 }
 
 
-def make_policy(name: str) -> Policy:
-    """The policy called ``name``; ValueError names the choices."""
+def make_policy(name: str, context: PolicyContext | None = None) -> Policy:
+    """The policy called ``name`` (``context``: what ``prefix_reuse`` reads); ValueError names the choices."""
+    if name == "prefix_reuse":
+        return PrefixReuse(context)
     try:
         return POLICIES[name]()
     except KeyError:

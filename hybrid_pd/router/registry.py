@@ -22,9 +22,10 @@ import httpx
 from prometheus_client import Gauge
 
 from hybrid_pd.common.logs import kv
-from hybrid_pd.common.prom import metric_label
+from hybrid_pd.common.prom import cache_block_size, prefix_hit_tokens
 from hybrid_pd.connector.compat import IncompatibleWorkers, WorkerIdentity, check_pair, check_worker
 from hybrid_pd.router.load import LiveLoad
+from hybrid_pd.router.prefix_index import SentPrefixes
 from hybrid_pd.router.upstream import Upstream
 
 __all__ = ["DECODERS", "PREFILLERS", "ROLES", "Lease", "Registry", "Worker", "can_pair", "probe_identity"]
@@ -58,6 +59,8 @@ class Worker:
     inflight: int = 0
     inflight_tokens: int = 0
     load: LiveLoad = field(default_factory=LiveLoad)
+    # The prompts the router sent here, for the prefix_reuse policy (hybrid_pd/router/prefix_index.py).
+    prefixes: SentPrefixes = field(default_factory=SentPrefixes, repr=False, compare=False)
     last_seen: float = field(default_factory=time.monotonic)
 
     @property
@@ -97,7 +100,7 @@ class Lease:
     block ends, however it ends. A decode leg also counts as one of the worker's decodes.
     """
 
-    __slots__ = ("worker", "_tokens", "_gauge", "_held", "_decodes")
+    __slots__ = ("worker", "_tokens", "_gauge", "_held", "_decodes", "_prefill_tokens")
 
     def __init__(self, worker: Worker, tokens: int, gauge: Gauge | None, kind: LegKind = "decode") -> None:
         self.worker = worker
@@ -105,9 +108,11 @@ class Lease:
         self._gauge = gauge
         self._held = True
         self._decodes = kind == "decode"
+        self._prefill_tokens = tokens if kind == "prefill" else 0
         worker.inflight += 1
         worker.inflight_tokens += tokens
         worker.load.decodes += self._decodes
+        worker.load.prefill_tokens += self._prefill_tokens
         if gauge is not None:
             gauge.set(worker.inflight)
 
@@ -119,6 +124,7 @@ class Lease:
         self.worker.inflight -= 1
         self.worker.inflight_tokens -= self._tokens
         self.worker.load.decodes -= self._decodes
+        self.worker.load.prefill_tokens -= self._prefill_tokens
         if self._gauge is not None:
             self._gauge.set(self.worker.inflight)
 
@@ -266,10 +272,10 @@ async def probe_identity(upstream: Upstream, url: str, role: RoleName) -> Worker
         version = (await upstream.get(url + "/version", timeout=5)).json().get("version")
     except (httpx.HTTPError, ValueError):
         pass
-    block_size = None
+    block_size = hit_tokens = None
     try:
-        value = metric_label((await upstream.get(url + "/metrics", timeout=5)).text, "vllm:cache_config_info", "block_size")
-        block_size = int(value) if value and value.isdigit() else None
+        metrics = (await upstream.get(url + "/metrics", timeout=5)).text
+        block_size, hit_tokens = cache_block_size(metrics), prefix_hit_tokens(metrics)
     except httpx.HTTPError:
         pass
-    return WorkerIdentity(role=role, model=entry["id"], block_size=block_size, vllm_version=version)
+    return WorkerIdentity(role=role, model=entry["id"], block_size=block_size, prefix_hit_tokens=hit_tokens, vllm_version=version)

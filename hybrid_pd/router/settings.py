@@ -50,6 +50,12 @@ class RouterSettings(BaseSettings):
     prefix_affinity_chars: Annotated[int, ENV_ONLY] = Field(
         256, description="prefix_affinity hashes this many characters of the prompt when the request has no user field"
     )
+    prefix_index_tokens: Annotated[int, ENV_ONLY] = Field(
+        1_000_000, gt=0, description="prefix_reuse remembers this many prompt tokens sent to each worker (the oldest go first)"
+    )
+    prefix_load_slack: Annotated[int, ENV_ONLY] = Field(
+        4, ge=0, description="prefix_reuse leaves the worker holding the prefix when it has more legs in flight than the least loaded plus this"
+    )
     local_prefill_below_tokens: int = Field(0, ge=0, description="prompts estimated shorter skip the prefill leg (0: always P/D)")
     # Flexible workers split by phase (hybrid_pd/router/phase_split.py): the targets the router serves to.
     slo_ttft_ms: float | None = Field(

@@ -23,10 +23,10 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from hybrid_pd.common.logs import kv
-from hybrid_pd.common.prom import metric_label, metric_sum
+from hybrid_pd.common.prom import cache_block_size, metric_sum, prefix_hit_tokens
 from hybrid_pd.connector.compat import WorkerIdentity
 
-__all__ = ["Replica", "RouterLink", "block_size", "fan_out", "replica_urls", "resolve_host", "running_requests"]
+__all__ = ["Replica", "RouterLink", "cache_facts", "fan_out", "replica_urls", "resolve_host", "running_requests"]
 
 log = logging.getLogger("hybrid_pd.worker.registration")
 
@@ -48,13 +48,17 @@ def _metrics(vllm_url: str) -> str:
         return resp.read().decode()
 
 
-def block_size(vllm_url: str) -> int | None:
-    """The KV block size the running vLLM chose (None when it cannot be read): part of what the router pairs by."""
+def cache_facts(vllm_url: str) -> tuple[int | None, int | None]:
+    """(block size, prefix-hit granule) the running vLLM chose, None where it cannot be read.
+
+    The block size is part of what the router pairs by; the granule tells its prefix_reuse policy
+    what this worker can resume (None: prefix caching off).
+    """
     try:
-        value = metric_label(_metrics(vllm_url), "vllm:cache_config_info", "block_size")
+        text = _metrics(vllm_url)
     except (urllib.error.URLError, OSError):
-        return None
-    return int(value) if value and value.isdigit() else None
+        return None, None
+    return cache_block_size(text), prefix_hit_tokens(text)
 
 
 def running_requests(vllm_url: str) -> float:

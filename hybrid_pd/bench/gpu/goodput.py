@@ -179,7 +179,7 @@ def _server_argv(role: str, gpu: int, model: Path, port: int, args: argparse.Nam
         argv += ["--cpu-threads-bind", str(gpu % (os.cpu_count() or 1))]
     if role != "colocated":
         argv += ["--side-channel-port", str(free_port())]
-    return argv
+    return argv + list(args.server_arg)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -197,7 +197,7 @@ def serve(args: argparse.Namespace) -> int:
         urls[name] = f"http://127.0.0.1:{port}"
     for name, system in systems.items():
         port = free_port()
-        procs[name] = spawn(system.router_argv(urls, args.slo[0], port), log=out / "logs" / f"router-{name}.log")
+        procs[name] = spawn(system.router_argv(urls, args.slo[0], port) + list(args.router_arg), log=out / "logs" / f"router-{name}.log")
         urls[name] = f"http://127.0.0.1:{port}"
     stopping = False
 
@@ -330,7 +330,7 @@ def report(args: argparse.Namespace) -> int:
     order = {name: i for i, name in enumerate(SYSTEMS)}
     rows.sort(key=lambda r: (Workload.parse(r["workload"]).input_len, Workload.parse(r["workload"]).output_len, r["level"], order.get(r["system"], 99)))
     slos = [f"{t:g}/{p:g}" for t, p in args.slo]
-    summary = {"slos_ms": slos, "device": args.device, "model": str(args.model), "rows": rows, "versions": _versions(),
+    summary = {"slos_ms": slos, "device": args.device, "model": str(args.model), "rows": rows, "versions": versions(),
                "servers": {"max_num_seqs": args.max_num_seqs, "gpu_memory_utilization": args.gpu_memory_utilization,
                            "kv_cache_gib": args.kv_cache_gib, "max_model_len": args.max_model_len},
                "systems": {name: asdict(s) for name, s in (CPU_SYSTEMS if args.device == "cpu" else SYSTEMS).items()}}  # fmt: skip
@@ -369,7 +369,7 @@ def plot_goodput(rows: list[dict[str, Any]], slos: list[str], path: Path) -> Non
     plt.close(fig)
 
 
-def _versions() -> dict[str, str]:
+def versions() -> dict[str, str]:
     import importlib.metadata
 
     found = {}
@@ -383,6 +383,7 @@ def _server_flags(args: argparse.Namespace) -> list[str]:
     flags = ["--out", str(args.out), "--model", str(args.model), "--device", args.device, "--max-num-seqs", str(args.max_num_seqs),
              "--max-model-len", str(args.max_model_len), "--gpu-memory-utilization", str(args.gpu_memory_utilization),
              "--kv-cache-gib", str(args.kv_cache_gib), "--ready-timeout-s", str(args.ready_timeout_s)]  # fmt: skip
+    flags += [f"--server-arg={a}" for a in args.server_arg] + [f"--router-arg={a}" for a in args.router_arg] + ["--systems", ",".join(args.systems)]
     return flags + [a for t, p in args.slo for a in ("--slo", f"{t:g}/{p:g}")]
 
 
@@ -411,6 +412,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.45)
     ap.add_argument("--kv-cache-gib", type=float, default=8)
     ap.add_argument("--ready-timeout-s", type=float, default=540)
+    ap.add_argument("--server-arg", action="append", default=[], help="one more flag for every server, e.g. --server-arg=--vllm-arg=--enable-prefix-caching")
+    ap.add_argument("--router-arg", action="append", default=[], help="one more flag for every router, e.g. --router-arg=--decode-policy=prefix_reuse")
     args = ap.parse_args(argv)
     args.slo = args.slo or [(500.0, 20.0), (1500.0, 50.0)]
     if args.model is None:
