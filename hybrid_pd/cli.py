@@ -32,6 +32,7 @@ from hybrid_pd.common.logs import add_log_level_flag, configure_logging, kv
 from hybrid_pd.eval.cli import add_eval_parser, run_eval
 from hybrid_pd.router.settings import RouterSettings
 from hybrid_pd.sizing.cli import add_size_parser, run_size
+from hybrid_pd.sizing.profile_cli import add_profile_parser, run_profile
 from hybrid_pd.worker import ROLES
 from hybrid_pd.worker.settings import WorkerSettings
 
@@ -125,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_eval_parser(sub)
     add_bench_parser(sub)
     add_size_parser(sub)
+    add_profile_parser(sub)
 
     plan = sub.add_parser("plan", help="bytes and reads of the state one request moves, per TP layout")
     plan.add_argument("--model", help="local model directory or its config.json (default: the embedded model)")
@@ -320,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
-    runners = {"up": _run_up, "router": _run_router, **dict.fromkeys(ROLES, _run_worker), "eval": run_eval, "bench": run_bench, "plan": _run_plan, "size": run_size}
+    runners = {"up": _run_up, "router": _run_router, **dict.fromkeys(ROLES, _run_worker), "eval": run_eval, "bench": run_bench, "plan": _run_plan, "size": run_size, "profile": run_profile}
     try:
         return runners[args.command](args)
     except InvalidSettings as exc:

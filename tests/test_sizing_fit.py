@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from hybrid_pd.sizing.check import check, markdown
-from hybrid_pd.sizing.matrix import FITS, SWEEP, SYSTEMS, Matrix, bisect_root, fit, fitted, load_matrix, nonnegative_least_squares
+from hybrid_pd.sizing.fitting import bisect_root, nonnegative_least_squares
+from hybrid_pd.sizing.matrix import FITS, SWEEP, SYSTEMS, Matrix, fit, fitted, load_matrix
 from hybrid_pd.sizing.profile import Profile
 from hybrid_pd.sizing.simulate import predict
 

@@ -38,15 +38,15 @@ import json
 import statistics
 import sys
 import tempfile
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from hybrid_pd.connector.plan import model_shape
+from hybrid_pd.sizing.fitting import fit_decode_step, match_throughput, prompt_latency_residue
 from hybrid_pd.sizing.layouts import Layout
 from hybrid_pd.sizing.profile import DecodeStep, Profile, Transfer
-from hybrid_pd.sizing.simulate import SLO, predict
+from hybrid_pd.sizing.simulate import SLO
 from hybrid_pd.sizing.workload import Lengths, Workload
 
 __all__ = ["FITS", "SYSTEMS", "Matrix", "Measured", "fit", "fitted", "load_matrix"]
@@ -142,46 +142,8 @@ def fit_decode(rows: list[Measured]) -> DecodeStep:
     points = []
     for r in rows:
         batch = 1.0 if r.level == 1 else r.prompts * r.tpot_mean_ms * (r.output_len - 1) / (r.duration_s * 1e3)
-        points.append(([1.0, batch, batch * (r.input_len + r.output_len / 2)], r.tpot_mean_ms))
-    base, per_seq, per_token = nonnegative_least_squares(points)
-    return DecodeStep(base_ms=base, per_seq_ms=per_seq, per_context_token_ms=per_token)
-
-
-def nonnegative_least_squares(points: list[tuple[list[float], float]]) -> list[float]:
-    """Least squares with every coefficient >= 0: the most negative one is held at 0 and the rest refitted, until none is."""
-    free = list(range(len(points[0][0])))
-    while True:
-        coef = _least_squares([([x[i] for i in free], y) for x, y in points])
-        if all(c >= 0 for c in coef):
-            out = [0.0] * len(points[0][0])
-            for i, c in zip(free, coef, strict=True):
-                out[i] = c
-            return out
-        free.pop(min(range(len(coef)), key=coef.__getitem__))
-
-
-def _least_squares(points: list[tuple[list[float], float]]) -> list[float]:
-    """The normal equations, solved by Gauss-Jordan elimination (a few coefficients)."""
-    n = len(points[0][0])
-    a = [[sum(x[i] * x[j] for x, _ in points) for j in range(n)] + [sum(x[i] * y for x, y in points)] for i in range(n)]
-    for col in range(n):
-        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
-        a[col], a[pivot] = a[pivot], a[col]
-        if a[col][col] == 0:
-            raise ValueError("the fit's points do not determine its coefficients")
-        for r in range(n):
-            if r != col:
-                f = a[r][col] / a[col][col]
-                a[r] = [v - f * w for v, w in zip(a[r], a[col], strict=True)]
-    return [a[i][n] / a[i][i] for i in range(n)]
-
-
-def bisect_root(f: Callable[[float], float], low: float, high: float, steps: int = 40) -> float:
-    """The root of ``f``, increasing over ``[low, high]``."""
-    for _ in range(steps):
-        mid = (low + high) / 2
-        low, high = (mid, high) if f(mid) < 0 else (low, mid)
-    return (low + high) / 2
+        points.append((batch, r.input_len + r.output_len / 2, r.tpot_mean_ms))
+    return fit_decode_step(points)
 
 
 def fit(matrix: Matrix, sweep: dict[str, Any]) -> Profile:
@@ -204,24 +166,22 @@ def fit(matrix: Matrix, sweep: dict[str, Any]) -> Profile:
         prefill_per_token_ms=0.0, prompt_latency_ms=[(0, 0.0)], handoff_ms=0.0, transfer=transfer,
     )  # fmt: skip
     replicas_lone = {(r.run, r.input_len, r.output_len): r.ttft_p50_ms for r in matrix.of("prompt latency")}
+    lone: dict[int, list[float]] = {}
+    for (_, n, _), ttft in replicas_lone.items():
+        lone.setdefault(n, []).append(ttft)
 
     def with_prefill(per_token: float) -> Profile:
         """The draft with this prefill cost, and the latencies that leave the lone TTFTs as measured."""
         p = draft.model_copy(update={"prefill_per_token_ms": per_token})
-        residue: dict[int, list[float]] = {}
-        for (_, n, _), ttft in replicas_lone.items():
-            residue.setdefault(n, []).append(ttft - p.step_ms(0, 0, n))
-        latency = [(n, max(statistics.mean(v), 0.0)) for n, v in sorted(residue.items())]
         # the split's lone TTFT is the replicas' less one prompt token, plus the hand-off, the transfer and D's one-token step
         handoff = statistics.median(
             r.ttft_p50_ms - replicas_lone[r.run, r.input_len, r.output_len] + per_token - p.transfer_ms(r.input_len) - p.step_ms(0, 0, 1)
             for r in matrix.of("hand-off")
         )
-        return p.model_copy(update={"prompt_latency_ms": latency, "handoff_ms": max(handoff, 0.0)})
+        return p.model_copy(update={"prompt_latency_ms": prompt_latency_residue(p, lone), "handoff_ms": max(handoff, 0.0)})
 
     (bound,) = matrix.of("prefill per token")
-    layout, slo = SYSTEMS[bound.system], SLO(float("inf"), float("inf"))
-    return with_prefill(bisect_root(lambda p: bound.throughput_rps - predict(with_prefill(p), layout, bound.workload(), slo).throughput_rps, 0.0, 1.0))
+    return match_throughput(with_prefill, SYSTEMS[bound.system], bound.workload(), bound.throughput_rps, high=1.0)
 
 
 def main(argv: list[str] | None = None) -> int:

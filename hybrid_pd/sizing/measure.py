@@ -1,0 +1,172 @@
+"""What ``hybrid-pd profile`` measures of one running vLLM server, through its OpenAI API and its /metrics.
+
+Every request is timed by the benchmark client (:mod:`hybrid_pd.bench.client`: streamed, TTFT at
+the first event carrying a token, ITL between such events), with random token-id prompts of exact
+lengths (:mod:`hybrid_pd.bench.prompts`, a new seed for each measurement so that no prompt is in
+a prefix cache) and ``ignore_eos``, so a request generates exactly what it asks for:
+
+- **lone TTFT**: one request at a time, ``max_tokens`` 1, per prompt length;
+- **prefill burst**: many prompts of one length at once, ``max_tokens`` 1; requests per second
+  from the first sent to the last answered (a prefill-bound run: what the GPU computes per token);
+- **decode point**: ``rows`` requests sent together, each generating the same number of tokens;
+  the step time is the median gap between tokens while every one of them decodes (after the last
+  first token, before the first answer ends: no prefill in those steps and a full batch);
+- **transfer** (only given a P/D router and its decode workers): lone requests through the router,
+  and per prompt length the mean bytes and time of vLLM's NIXL transfers on the decode workers
+  (``vllm:nixl_bytes_transferred``, ``vllm:nixl_xfer_time_seconds``).
+
+Nothing here fits; :mod:`hybrid_pd.sizing.profiler` turns these into a profile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import httpx
+
+from hybrid_pd.bench.client import ClientPool, RequestResult, Sampling, base_url, complete
+from hybrid_pd.bench.prompts import random_prompts
+from hybrid_pd.common.prom import metric_label, metric_sum
+
+__all__ = [
+    "DecodePoint",
+    "MeasureError",
+    "Server",
+    "burst_rps",
+    "cache_info",
+    "decode_point",
+    "full_batch_gaps",
+    "lone_ttfts",
+    "transfer_points",
+    "wait_counter",
+]
+
+XFERS, XFER_SECONDS, XFER_BYTES = "vllm:nixl_xfer_time_seconds_count", "vllm:nixl_xfer_time_seconds_sum", "vllm:nixl_bytes_transferred_sum"
+
+
+class MeasureError(RuntimeError):
+    """A measurement that cannot be made or trusted: a failed request, a batch that never ran whole."""
+
+
+@dataclass(frozen=True)
+class DecodePoint:
+    """A decode step's time with ``rows`` sequences decoding, each with ``context`` tokens on average."""
+
+    rows: int
+    context: float
+    step_ms: float
+    prompt_len: int
+    output_len: int
+
+
+@dataclass(frozen=True)
+class Server:
+    """One OpenAI-compatible server: where its completions go, the model it serves, the prompts' vocabulary."""
+
+    url: str
+    model: str
+    vocab_size: int
+
+    @property
+    def completions(self) -> str:
+        return base_url(self.url) + "/v1/completions"
+
+
+async def _send(pool: ClientPool, url: str, body: dict) -> RequestResult:
+    async with pool.client(url) as client:
+        result = await complete(client, url, body)
+    if not result.ok:
+        raise MeasureError(f"a request to {url} failed: {result.error}")
+    return result
+
+
+async def _together(pool: ClientPool, url: str, bodies: Sequence[dict]) -> list[RequestResult]:
+    pool.reserve(url, len(bodies))
+    return list(await asyncio.gather(*(_send(pool, url, b) for b in bodies)))
+
+
+async def lone_ttfts(pool: ClientPool, server: Server, lengths: Sequence[int], repeats: int, seed: int) -> dict[int, list[float]]:
+    """Prompt tokens -> the TTFT (ms) of each lone request of that length, ``max_tokens`` 1."""
+    sampling, out = Sampling(server.model, 1), {}
+    for i, n in enumerate(lengths):
+        out[n] = [(await _send(pool, server.completions, sampling.body(p))).ttft_s * 1e3 for p in random_prompts(repeats, n, server.vocab_size, seed + i)]
+    return out
+
+
+async def burst_rps(pool: ClientPool, server: Server, prompt_len: int, requests: int, seed: int) -> float:
+    """Requests per second of ``requests`` prompts of ``prompt_len`` tokens sent at once, ``max_tokens`` 1."""
+    sampling = Sampling(server.model, 1)
+    results = await _together(pool, server.completions, [sampling.body(p) for p in random_prompts(requests, prompt_len, server.vocab_size, seed)])
+    return len(results) / (max(r.done_at for r in results) - min(r.sent_at for r in results))
+
+
+async def decode_point(pool: ClientPool, server: Server, rows: int, prompt_len: int, output_len: int, seed: int) -> DecodePoint:
+    """``rows`` requests of ``prompt_len`` tokens generating ``output_len`` each, sent together: their full batch's step."""
+    sampling = Sampling(server.model, output_len)
+    results = await _together(pool, server.completions, [sampling.body(p) for p in random_prompts(rows, prompt_len, server.vocab_size, seed)])
+    gaps = full_batch_gaps(results)
+    if not gaps:
+        raise MeasureError(f"{rows} requests of {prompt_len}+{output_len} tokens never decoded all at once: give more output tokens")
+    return DecodePoint(rows, prompt_len + statistics.mean(k for k, _ in gaps), statistics.median(ms for _, ms in gaps), prompt_len, output_len)
+
+
+def full_batch_gaps(results: Sequence[RequestResult]) -> list[tuple[int, float]]:
+    """(tokens generated before it, ms) of every gap between tokens that ends while all ``results`` decode.
+
+    A request's tokens arrive at ``sent_at + ttft``, then after each ITL. The window opens at the
+    last first token (every prompt is computed) and closes at the first last token (one is done);
+    a gap that ends inside it is a step of the full batch, if it began inside too.
+    """
+    opens = max(r.sent_at + r.ttft_s for r in results)
+    closes = min(r.sent_at + r.ttft_s + sum(r.itl_s) for r in results)
+    out = []
+    for r in results:
+        t = r.sent_at + r.ttft_s
+        for k, gap in enumerate(r.itl_s, start=1):
+            if t >= opens and t + gap <= closes:
+                out.append((k, gap * 1e3))
+            t += gap
+    return out
+
+
+async def transfer_points(
+    pool: ClientPool, router: Server, decode_metrics: Sequence[str], lengths: Sequence[int], repeats: int, seed: int
+) -> list[tuple[float, float]]:
+    """Per prompt length, (mean bytes, mean ms) of the NIXL transfers ``repeats`` lone requests through ``router`` caused."""
+    sampling, points = Sampling(router.model, 2), []
+    async with httpx.AsyncClient(timeout=10) as metrics:
+        for i, n in enumerate(lengths):
+            before = await _counters(metrics, decode_metrics)
+            for p in random_prompts(repeats, n, router.vocab_size, seed + i):
+                await _send(pool, router.completions, sampling.body(p))
+            after = await wait_counter(metrics, decode_metrics, before[0] + repeats)
+            count, seconds, nbytes = (a - b for a, b in zip(after, before, strict=True))
+            if count != repeats:
+                raise MeasureError(f"{repeats} requests of {n} tokens through {router.url} made {count:g} NIXL transfers on {', '.join(decode_metrics)}")
+            points.append((nbytes / count, seconds * 1e3 / count))
+    return points
+
+
+async def _counters(client: httpx.AsyncClient, urls: Sequence[str]) -> tuple[float, float, float]:
+    texts = [(await client.get(base_url(u) + "/metrics")).text for u in urls]
+    return tuple(sum(metric_sum(t, name) for t in texts) for name in (XFERS, XFER_SECONDS, XFER_BYTES))  # type: ignore[return-value]
+
+
+async def wait_counter(client: httpx.AsyncClient, urls: Sequence[str], count: float, timeout_s: float = 15.0) -> tuple[float, float, float]:
+    """The transfer counters once they count ``count`` transfers (vLLM publishes them up to a stats interval late), or at the timeout."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        counters = await _counters(client, urls)
+        if counters[0] >= count or time.monotonic() > deadline:
+            return counters
+        await asyncio.sleep(0.2)
+
+
+async def cache_info(client: httpx.AsyncClient, url: str, label: str) -> str | None:
+    """A label of the server's ``vllm:cache_config_info`` (None when absent or ``None``)."""
+    value = metric_label((await client.get(base_url(url) + "/metrics")).text, "vllm:cache_config_info", label)
+    return None if value in (None, "", "None") else value

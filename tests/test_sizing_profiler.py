@@ -1,0 +1,118 @@
+"""``hybrid-pd profile`` without a server: its fit recovers a known profile from what that profile's server would measure, its
+full-batch window, its plan within a server's limits, its usage errors (a real server: tests/e2e/test_profile_e2e.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hybrid_pd.bench.client import RequestResult
+from hybrid_pd.cli import main
+from hybrid_pd.sizing.fitting import fit_transfer
+from hybrid_pd.sizing.layouts import Layout
+from hybrid_pd.sizing.measure import DecodePoint, full_batch_gaps
+from hybrid_pd.sizing.profile import Profile
+from hybrid_pd.sizing.profiler import FULL, Measurements, Settings, attention_block_tokens, burst_workload, fit_profile
+from hybrid_pd.sizing.simulate import SLO, predict
+from hybrid_pd.sizing.workload import Lengths, Workload
+from tests.sizing_support import tiny_profile
+
+FITTED = Path(__file__).resolve().parent.parent / "hybrid_pd" / "bench" / "results" / "2026-11-25-h100x2-sizing" / "profile.json"
+ONE = Layout("replicas", 0, 1)
+ANY = SLO(float("inf"), float("inf"))
+
+# The truth the synthetic server runs: a 4096-token budget, so the 5000-token prompt takes two steps.
+TRUTH = tiny_profile(
+    decode={"base_ms": 4.0, "per_seq_ms": 0.3, "per_context_token_ms": 0.002}, prefill_per_token_ms=0.02,
+    prompt_latency_ms=[(100, 12.0), (1000, 25.0), (5000, 40.0)], transfer={"latency_ms": 2.5, "bandwidth_gbps": 3.0},
+)  # fmt: skip
+SETTINGS = Settings("tiny", "test", TRUTH.shape, TRUTH.block_tokens, TRUTH.cache_bytes, TRUTH.max_num_seqs, TRUTH.max_num_batched_tokens)
+BASE = tiny_profile(handoff_ms=7.0, transfer={"latency_ms": 9.0, "bandwidth_gbps": 0.5})
+
+
+def measured_by(truth: Profile, transfers: bool = True) -> Measurements:
+    """What the server of ``truth`` would measure: its simulated lone TTFTs and burst, its step at each batch, its transfers."""
+    lone = {}
+    for n, _ in truth.prompt_latency_ms:
+        lone[n] = [predict(truth, ONE, Workload(Lengths(n, n), Lengths(1, 1), 1, concurrency=1), ANY).ttft_p50_ms] * 2
+    m = Measurements(lone, 800, 24, [], [], [])
+    burst = predict(truth, ONE, burst_workload(m), ANY).throughput_rps
+    decode = [DecodePoint(rows, ctx, truth.step_ms(rows, int(rows * ctx), 0), ctx, 16) for rows in (1, 8, 32) for ctx in (100, 2000)]
+    xfers = [(b, truth.transfer.ms(b)) for b in (1e5, 1e6, 5e6)] if transfers else []
+    return Measurements(lone, 800, 24, [burst, burst], decode, xfers)
+
+
+def test_the_fit_recovers_the_profile_that_produced_the_measurements():
+    got = fit_profile(measured_by(TRUTH), SETTINGS, BASE, "synthetic")
+    assert got.decode.base_ms == pytest.approx(4.0) and got.decode.per_seq_ms == pytest.approx(0.3)
+    assert got.decode.per_context_token_ms == pytest.approx(0.002)
+    assert got.prefill_per_token_ms == pytest.approx(0.02, rel=1e-3)
+    assert [n for n, _ in got.prompt_latency_ms] == [100, 1000, 5000]
+    assert [ms for _, ms in got.prompt_latency_ms] == pytest.approx([12.0, 25.0, 40.0], abs=0.05)
+    assert got.transfer.latency_ms == pytest.approx(2.5) and got.transfer.bandwidth_gbps == pytest.approx(3.0)
+    assert got.handoff_ms == 7.0 and got.source == "synthetic"  # one server shows no hand-off: the base's
+
+
+def test_without_transfers_the_base_profile_s_transfer_is_kept():
+    got = fit_profile(measured_by(TRUTH, transfers=False), SETTINGS, BASE, "synthetic")
+    assert got.transfer == BASE.transfer
+    assert got.prefill_per_token_ms == pytest.approx(0.02, rel=1e-3)
+
+
+def test_a_slower_prefill_is_told_from_a_longer_prompt_latency():
+    """Both lengthen the lone TTFT; only the prefill cost slows the burst, so each is fitted back to its own quantity."""
+    slower = TRUTH.model_copy(update={"prefill_per_token_ms": 0.05})
+    got = fit_profile(measured_by(slower), SETTINGS, BASE, "synthetic")
+    assert got.prefill_per_token_ms == pytest.approx(0.05, rel=1e-3)
+    assert [ms for _, ms in got.prompt_latency_ms] == pytest.approx([12.0, 25.0, 40.0], abs=0.05)
+
+
+def _result(sent: float, ttft: float, gaps: list[float]) -> RequestResult:
+    return RequestResult(sent_at=sent, e2e_s=ttft + sum(gaps), ttft_s=ttft, itl_s=tuple(gaps), output_tokens=len(gaps) + 1)
+
+
+def test_only_the_gaps_while_every_request_decodes_count():
+    """B's first token comes at 0.30 s (A's third gap ends there) and A's last at 0.50 s: the full batch runs in between."""
+    a = _result(0.0, 0.10, [0.05, 0.05, 0.10, 0.05, 0.05, 0.05, 0.05])  # tokens at .10 .15 .20 .30 .35 .40 .45 .50
+    b = _result(0.0, 0.30, [0.06, 0.06, 0.06, 0.06])  # tokens at .30 .36 .42 .48 .54
+    gaps = full_batch_gaps([a, b])
+    assert [k for k, _ in gaps] == [4, 5, 6, 7, 1, 2, 3]
+    assert [round(ms, 6) for _, ms in gaps] == [50.0, 50.0, 50.0, 50.0, 60.0, 60.0, 60.0]
+
+
+def test_the_plan_stays_within_the_server_s_sequences_cache_and_model_length():
+    server = Profile.load(FITTED)  # Nemotron-H-8B, 8 GiB of KV cache: 72 sequences of ~350 tokens, 50 of ~3100
+    plan = FULL.shaped(server, max_model_len=4096)
+    assert max(plan.prompt_lens) == 4095 and plan.burst_prompt_len == 2048
+    for n, rows in plan.decode_batches(server):
+        out = plan.output_len_for(rows, n, server)
+        assert rows <= server.max_num_seqs and rows * server.memory_bytes(n + out) <= server.cache_bytes
+        assert n + out < 4096 and out >= FULL.decode_output_len + rows * n / server.max_num_batched_tokens
+    assert (256, 72) in plan.decode_batches(server) and (256, 1) in plan.decode_batches(server)
+    assert plan.burst_requests(server) == 32  # 8 budgets of 8192 tokens in 2048-token prompts
+
+
+def test_the_attention_block_is_the_one_vllm_ran_nemotron_h_8b_with():
+    assert attention_block_tokens(Profile.load(FITTED).shape) == 1040
+
+
+def test_a_transfer_fit_needs_two_sizes_and_time_growing_with_bytes():
+    with pytest.raises(ValueError, match="two sizes"):
+        fit_transfer([(1e6, 2.0), (1e6, 2.1)])
+    with pytest.raises(ValueError, match="does not grow"):
+        fit_transfer([(1e6, 2.0), (2e6, 1.0)])
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        (["--transfer-router", "http://127.0.0.1:9"], "--transfer-router and --transfer-metrics go together"),
+        ([], "cannot list the models of http://127.0.0.1:9/v1/models"),
+    ],
+)
+def test_usage_errors_name_the_flag_and_exit_2(tmp_path, capsys, extra, named):
+    argv = ["profile", "--url", "http://127.0.0.1:9", "--out", str(tmp_path / "p.json"), "--max-num-seqs", "8", "--max-num-batched-tokens", "2048"]
+    assert main(argv + extra) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hybrid-pd profile: ") and named in err and not (tmp_path / "p.json").exists()
