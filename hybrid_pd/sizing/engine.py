@@ -27,7 +27,6 @@ request, a finished pull, freed memory) ends the run with the step in progress
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -49,6 +48,7 @@ class Job:
     pull_ms: float = 0.0  # the state's transfer (a decode leg)
     pull: Pull = "none"
     memory: int = field(default=0, init=False)  # KV-cache bytes it holds here
+    covered: int = field(default=0, init=False)  # tokens that memory holds (whole blocks; 0: none)
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,7 @@ class Engine:
         self.running: list[Job] = []
         self.free_bytes = profile.cache_bytes
         self._state_bytes, self._block_bytes = profile.memory_layout()
+        self._block_tokens = profile.block_tokens
         self.step: Step | None = None  # the step in progress
 
     def submit(self, job: Job) -> None:
@@ -86,7 +87,7 @@ class Engine:
     def release(self, job: Job) -> None:
         """Give back ``job``'s memory (done, or a prefill leg whose state was pulled)."""
         self.free_bytes += job.memory
-        job.memory = 0
+        job.memory = job.covered = 0
 
     def plan(self, now_ms: float) -> tuple[Step | None, list[Job]]:
         """Schedule the next step from ``now_ms`` (None: nothing to run) and the decode legs whose pulls it started."""
@@ -100,7 +101,7 @@ class Engine:
             while not self._grow(job, job.context + n) and self.running[-1] is not job:
                 self._preempt(self.running.pop())
                 preempted = True
-            if job.memory < self._bytes(job.context + n):  # not even with the later ones gone: it goes back too
+            if job.covered < job.context + n:  # not even with the later ones gone: it goes back too
                 self._preempt(self.running.pop())
                 preempted = True
                 break
@@ -132,8 +133,8 @@ class Engine:
         context = sum(job.context for job in rows)
         count = 1
         if not prompt and not pulls and len(tokens) == len(self.running):
-            last = min(job.outputs_left for job in rows)
-            if sum(self._bytes(job.context + last) - job.memory for job in rows) <= self.free_bytes:
+            last, bt = min(job.outputs_left for job in rows), self._block_tokens
+            if sum(-(-(job.context + last) // bt) - job.covered // bt for job in rows) * self._block_bytes <= self.free_bytes:
                 for job in rows:  # the run's memory, now; what a run cut short did not use comes back at its end
                     self._grow(job, job.context + last)
                 count = last
@@ -170,9 +171,12 @@ class Engine:
             else:
                 job.outputs_left -= step.count
                 job.context += step.count
-            surplus = job.memory - self._bytes(job.context)  # a run cut short by an event reserved more
-            self.free_bytes += surplus
-            job.memory -= surplus
+            kept = -(-job.context // self._block_tokens) * self._block_tokens
+            if kept < job.covered:  # a run cut short by an event reserved more
+                surplus = (job.covered - kept) // self._block_tokens * self._block_bytes
+                self.free_bytes += surplus
+                job.memory -= surplus
+                job.covered = kept
             if not job.outputs_left:
                 done.append(job)
         if done:
@@ -181,16 +185,18 @@ class Engine:
         return sampled, done
 
     def _bytes(self, tokens: int) -> int:
-        return self._state_bytes + self._block_bytes * math.ceil(tokens / self.profile.block_tokens)
+        return self._state_bytes + self._block_bytes * -(-tokens // self._block_tokens)
 
     def _grow(self, job: Job, tokens: int) -> bool:
-        """Give ``job`` the memory of ``tokens`` tokens if the cache has it."""
+        """Give ``job`` the memory of ``tokens`` tokens if the cache has it (it holds its state and whole blocks: ``covered`` tokens)."""
+        if tokens <= job.covered:
+            return True
         need = self._bytes(tokens) - job.memory
         if need > self.free_bytes:
             return False
-        if need > 0:
-            self.free_bytes -= need
-            job.memory += need
+        self.free_bytes -= need
+        job.memory += need
+        job.covered = -(-tokens // self._block_tokens) * self._block_tokens
         return True
 
     def _preempt(self, job: Job) -> None:
