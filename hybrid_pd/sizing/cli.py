@@ -70,6 +70,13 @@ def add_size_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
     size.add_argument("--seed", type=int, default=0, help="seed of the lengths and arrival times (default 0)")
     size.add_argument("--json", dest="json_out", type=output, metavar="OUT", help="write every prediction")
     size.add_argument("--plot", type=output, metavar="OUT.png", help="draw goodput per GPU against GPUs (needs matplotlib)")
+    size.add_argument(
+        "--emit-kustomize", type=checked(Path, checks.output_dir), metavar="DIR",
+        help="write a kustomize overlay over --k8s-base with the best layout's prefill/decode/flex replicas (one GPU count)",
+    )  # fmt: skip
+    size.add_argument(
+        "--k8s-base", type=Path, metavar="DIR", help="the deploy/k8s variant the overlay names (default: this checkout's deploy/k8s/gpu)"
+    )
     return size
 
 
@@ -93,6 +100,8 @@ def run_size(args: argparse.Namespace) -> int:
         return _usage(f"--input-len/--output-len: {exc}")
     except PlotUnavailable as exc:
         return _usage(str(exc))
+    if args.emit_kustomize is not None and len(args.gpus) != 1:
+        return _usage(f"--emit-kustomize: give one GPU count (--gpus {args.gpus[-1]}), the overlay deploys one layout")
     predictions = size(profile, workload, slo, args.gpus)
     print(format_table(predictions, workload, slo))
     print("best per GPU count: " + ", ".join(f"{g}: {p.layout}" for g, p in best(predictions).items()), flush=True)
@@ -102,6 +111,17 @@ def run_size(args: argparse.Namespace) -> int:
     if args.plot is not None:
         title = f"{profile.model} on {profile.device}\n{workload.input_len}/{workload.output_len} tokens, {workload.load}, SLO {slo} ms"
         plot_goodput(predictions, title, args.plot)
+    if args.emit_kustomize is not None:
+        from hybrid_pd.sizing.kustomize import DEFAULT_BASE, counts, write_overlay
+
+        (picked,) = best(predictions).values()
+        why = f"{workload.input_len}/{workload.output_len} tokens, {workload.load}, SLO TTFT {slo.ttft_ms:g} ms / TPOT {slo.tpot_ms:g} ms"
+        try:
+            path = write_overlay(picked, args.k8s_base or DEFAULT_BASE, args.emit_kustomize, why)
+        except ValueError as exc:
+            return _usage(f"--k8s-base: {exc}")
+        n = counts(picked)
+        print(f"wrote {path}: prefill {n['prefill']}, decode {n['decode']}, flex {n['flex']} (kubectl apply -k {args.emit_kustomize})", flush=True)
     return 0
 
 

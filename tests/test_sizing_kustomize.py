@@ -1,0 +1,97 @@
+"""``hybrid-pd size --emit-kustomize``: the picked layout as an overlay over deploy/k8s/gpu, rendered by ``kubectl kustomize``
+(or, without a kubectl >= 1.21, read as YAML), with each worker's command run through the CLI's parser."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hybrid_pd.cli import build_parser, main
+from hybrid_pd.sizing.kustomize import DEFAULT_BASE, counts, write_overlay
+from hybrid_pd.sizing.simulate import Prediction
+from tests.sizing_support import tiny_profile
+
+
+def _prediction(kind: str, prefill: int, decode: int) -> Prediction:
+    name = f"{prefill}P{decode}D" if kind == "pd" else f"{decode} {kind}"
+    return Prediction(name, kind, prefill, decode, prefill + decode, 100, 10.0, 10.0, 8.0, 8.0 / (prefill + decode), 0.8, 100.0, 110.0, 9.0, 9.5)
+
+
+def _kubectl_ok() -> bool:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        return False
+    out = subprocess.run([kubectl, "version", "--client", "-o", "json"], capture_output=True, text=True, timeout=60)
+    minor = json.loads(out.stdout)["clientVersion"]["minor"] if out.returncode == 0 else ""
+    return minor[:2].isdigit() and int(minor[:2]) >= 21
+
+
+def rendered(directory: Path) -> dict[str, dict]:
+    """The overlay's Deployments by name: as kubectl renders them, or (no kubectl >= 1.21) the base's with the overlay's counts and patch applied by hand."""
+    if _kubectl_ok():
+        out = subprocess.run(["kubectl", "kustomize", str(directory)], capture_output=True, text=True, timeout=120, check=True).stdout
+        return {d["metadata"]["name"]: d for d in yaml.safe_load_all(out) if d and d["kind"] == "Deployment"}
+    overlay = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    (base,) = overlay["resources"]
+    docs = {}
+    for name in ("prefill", "decode"):
+        d = yaml.safe_load(((directory / base).resolve() / f"{name}.yaml").read_text())
+        d["spec"]["replicas"] = next(r["count"] for r in overlay["replicas"] if r["name"] == name)
+        docs[name] = d
+    for patch in overlay.get("patches", []):
+        (op,) = yaml.safe_load(patch["patch"])
+        assert op["op"] == "replace" and op["path"] == "/spec/template/spec/containers/0/command"
+        docs[patch["target"]["name"]]["spec"]["template"]["spec"]["containers"][0]["command"] = op["value"]
+    return docs
+
+
+def _parses(container: dict) -> str:
+    """The container's ``hybrid-pd`` command as the CLI parses it; returns the subcommand."""
+    command = container["command"] + [a.replace("$(POD_IP)", "10.244.1.7") for a in container.get("args", [])]
+    assert command[0] == "hybrid-pd"
+    return build_parser().parse_args(command[1:]).command
+
+
+def test_an_xpyd_layout_sets_the_prefill_and_decode_replicas(tmp_path):
+    write_overlay(_prediction("pd", 2, 6), DEFAULT_BASE, tmp_path / "overlay", "a test")
+    deployments = rendered(tmp_path / "overlay")
+    assert (deployments["prefill"]["spec"]["replicas"], deployments["decode"]["spec"]["replicas"]) == (2, 6)
+    assert [_parses(deployments[n]["spec"]["template"]["spec"]["containers"][0]) for n in ("prefill", "decode")] == ["prefill", "decode"]
+
+
+@pytest.mark.parametrize("kind", ["flex", "replicas"])
+def test_whole_request_layouts_run_flexible_workers_as_the_decode_deployment(tmp_path, kind):
+    write_overlay(_prediction(kind, 0, 16), DEFAULT_BASE, tmp_path / "overlay", "a test")
+    deployments = rendered(tmp_path / "overlay")
+    assert (deployments["prefill"]["spec"]["replicas"], deployments["decode"]["spec"]["replicas"]) == (0, 16)
+    container = deployments["decode"]["spec"]["template"]["spec"]["containers"][0]
+    assert _parses(container) == "flex" and "--port=8200" in container["args"]
+    assert counts(_prediction(kind, 0, 16)) == {"prefill": 0, "decode": 0, "flex": 16}
+
+
+def test_size_writes_the_overlay_of_the_best_layout(tmp_path, capsys):
+    tiny_profile().save(tmp_path / "profile.json")
+    argv = ["size", "--profile", str(tmp_path / "profile.json"), "--gpus", "3", "--input-len", "300", "--output-len", "20",
+            "--concurrency", "8", "--slo-ttft-ms", "100", "--slo-tpot-ms", "8", "--json", str(tmp_path / "size.json")]  # fmt: skip
+    assert main([*argv, "--emit-kustomize", str(tmp_path / "k8s")]) == 0
+    picked = json.loads((tmp_path / "size.json").read_text())["best"]["3"]
+    (p,) = [p for p in json.loads((tmp_path / "size.json").read_text())["predictions"] if p["layout"] == picked]
+    deployments = rendered(tmp_path / "k8s")
+    want = (p["prefill"], p["decode"]) if p["kind"] == "pd" else (0, p["decode"])
+    assert (deployments["prefill"]["spec"]["replicas"], deployments["decode"]["spec"]["replicas"]) == want
+    assert f"wrote {tmp_path / 'k8s' / 'kustomization.yaml'}" in capsys.readouterr().out
+
+
+def test_an_overlay_is_of_one_gpu_count_and_a_real_base(tmp_path, capsys):
+    tiny_profile().save(tmp_path / "profile.json")
+    argv = ["size", "--profile", str(tmp_path / "profile.json"), "--input-len", "300", "--output-len", "20", "--concurrency", "8",
+            "--slo-ttft-ms", "100", "--slo-tpot-ms", "8", "--emit-kustomize", str(tmp_path / "k8s")]  # fmt: skip
+    assert main([*argv, "--gpus", "2,3"]) == 2
+    assert "--emit-kustomize: give one GPU count" in capsys.readouterr().err
+    assert main([*argv, "--gpus", "2", "--k8s-base", str(tmp_path)]) == 2
+    assert "--k8s-base" in capsys.readouterr().err and not (tmp_path / "k8s" / "kustomization.yaml").exists()
