@@ -68,6 +68,7 @@ def add_size_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
     size.add_argument("--slo-ttft-ms", type=positive, required=True, metavar="X", help="goodput: time to first token at most X ms")
     size.add_argument("--slo-tpot-ms", type=positive, required=True, metavar="Y", help="goodput: time per output token at most Y ms")
     size.add_argument("--seed", type=int, default=0, help="seed of the lengths and arrival times (default 0)")
+    size.add_argument("--jobs", type=at_least(1), default=1, metavar="N", help="simulate N layouts at once in processes of their own (default 1)")
     size.add_argument("--json", dest="json_out", type=output, metavar="OUT", help="write every prediction")
     size.add_argument("--plot", type=output, metavar="OUT.png", help="draw goodput per GPU against GPUs (needs matplotlib)")
     size.add_argument(
@@ -102,7 +103,7 @@ def run_size(args: argparse.Namespace) -> int:
         return _usage(str(exc))
     if args.emit_kustomize is not None and len(args.gpus) != 1:
         return _usage(f"--emit-kustomize: give one GPU count (--gpus {args.gpus[-1]}), the overlay deploys one layout")
-    predictions = size(profile, workload, slo, args.gpus)
+    predictions = size(profile, workload, slo, args.gpus, args.jobs)
     print(format_table(predictions, workload, slo))
     print("best per GPU count: " + ", ".join(f"{g}: {p.layout}" for g, p in best(predictions).items()), flush=True)
     if args.json_out is not None:

@@ -33,7 +33,7 @@ from hybrid_pd.sizing.layouts import Layout, layouts
 from hybrid_pd.sizing.profile import Profile
 from hybrid_pd.sizing.workload import Request, Workload
 
-__all__ = ["SLO", "Outcome", "Prediction", "check_fits", "predict", "simulate", "size", "summarize"]
+__all__ = ["SLO", "Outcome", "Prediction", "check_fits", "predict", "predict_many", "simulate", "size", "summarize"]
 
 
 @dataclass(frozen=True)
@@ -116,9 +116,26 @@ def predict(profile: Profile, layout: Layout, workload: Workload, slo: SLO) -> P
     return summarize(layout, simulate(profile, layout, workload), slo)
 
 
-def size(profile: Profile, workload: Workload, slo: SLO, gpu_counts: list[int]) -> list[Prediction]:
+def size(profile: Profile, workload: Workload, slo: SLO, gpu_counts: list[int], jobs: int = 1) -> list[Prediction]:
     """Every layout of each GPU count (:func:`~hybrid_pd.sizing.layouts.layouts`) under the same traffic."""
-    return [predict(profile, layout, workload, slo) for gpus in gpu_counts for layout in layouts(gpus)]
+    tasks = [(layout, workload) for gpus in gpu_counts for layout in layouts(gpus)]
+    return [per_slo[0] for per_slo in predict_many(profile, tasks, [slo], jobs)]
+
+
+def predict_many(profile: Profile, tasks: list[tuple[Layout, Workload]], slos: list[SLO], jobs: int = 1) -> list[list[Prediction]]:
+    """Each (layout, workload) simulated once and summarized for every SLO pair, in ``jobs`` processes (each simulation is independent)."""
+    if jobs <= 1 or len(tasks) <= 1:
+        return [_predict_slos((profile, layout, workload, slos)) for layout, workload in tasks]
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        return list(pool.map(_predict_slos, [(profile, layout, workload, slos) for layout, workload in tasks]))
+
+
+def _predict_slos(task: tuple[Profile, Layout, Workload, list[SLO]]) -> list[Prediction]:
+    profile, layout, workload, slos = task
+    outcomes = simulate(profile, layout, workload)
+    return [summarize(layout, outcomes, slo) for slo in slos]
 
 
 def check_fits(profile: Profile, workload: Workload) -> None:
