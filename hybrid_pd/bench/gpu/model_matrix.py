@@ -46,6 +46,7 @@ import json
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import httpx
@@ -101,23 +102,29 @@ def decode_row(urls: dict[str, str], name: str, vocab: int, log: Path) -> dict:
 
 def one_prompt(
     urls: dict[str, str], name: str, vocab: int, tokens: int, shape, block: int, max_tokens: int, tp: tuple[int, int],
-    drafting: Speculation | None = None,
+    drafting: Speculation | None = None, fresh_cache: bool = False,
 ) -> dict:  # fmt: skip
     """One prompt through P/D and through the baseline, with vLLM's counters around the P/D one; ``tp``: (prefill, decode).
 
     ``urls``: the router, the decode worker and, where the baseline is another server (one that
     does not speculate, say), ``colocated``; without it the decode worker alone is the baseline.
     ``drafting``: the P/D workers' MTP speculation, which the planned bytes count.
+    ``fresh_cache``: workers with prefix caching on; the P/D request and the baseline each carry a
+    fresh ``cache_salt``, so neither hits a block an earlier request left: these prompts share
+    their first tokens, and a baseline on the decode worker would otherwise resume from the
+    blocks the P/D request just pulled (measured on CPU: the block + 1 prompt after the block one
+    then moved nothing, the decode worker recomputing it).
     """
     prompt = prompt_ids(tokens, vocab)
+    salts = (uuid.uuid4().hex, uuid.uuid4().hex) if fresh_cache else (None, None)
     plan = plan_transfer(shape, tokens, prefill_tp=tp[0], decode_tp=tp[1], block_size=block, speculation=drafting)
     names = (XFERS, FAILED, BYTES, XFER_SECONDS)
     before = [metrics_of(urls["decode"], n) for n in names] + [metrics_of(urls["router"], FALLBACKS)]
-    pd = completion(urls["router"], name, prompt, max_tokens)
+    pd = completion(urls["router"], name, prompt, max_tokens, salts[0])
     counters_settled(urls["decode"], before[0], transfer_planned=plan.transfers > 0)
     after = [metrics_of(urls["decode"], n) for n in names] + [metrics_of(urls["router"], FALLBACKS)]
     xfers, failed, moved, seconds, fallbacks = (a - b for a, b in zip(after, before, strict=True))
-    colocated = completion(urls.get("colocated", urls["decode"]), name, prompt, max_tokens)
+    colocated = completion(urls.get("colocated", urls["decode"]), name, prompt, max_tokens, salts[1])
     return {"prompt_tokens": tokens, **compare(pd, colocated), "transfers": xfers, "planned_transfers": plan.transfers,
             "failed_transfers": failed, "fallbacks": fallbacks, "bytes": moved, "planned_bytes": plan.total_bytes,
             "transfer_ms": round(seconds * 1e3, 3)}  # fmt: skip

@@ -135,8 +135,12 @@ def cudagraph_steps_by_mode(log: Path) -> dict[str, int]:
     return steps
 
 
-def completion(url: str, model: str, prompt, max_tokens: int) -> dict:
+def completion(url: str, model: str, prompt, max_tokens: int, cache_salt: str | None = None) -> dict:
+    """Greedy tokens with top-2 logprobs; ``cache_salt`` (vLLM's per-request salt of the prefix-cache hashes): a fresh
+    one keeps the request from hitting blocks any other request left on a server with prefix caching on."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 2, "return_token_ids": True}
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
     r = httpx.post(url + "/v1/completions", json=body, timeout=300)
     r.raise_for_status()
     return r.json()["choices"][0]
