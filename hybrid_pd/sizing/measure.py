@@ -47,6 +47,7 @@ __all__ = [
     "wait_counter",
 ]
 
+TRANSFER_WAIT_S = 15.0  # how long the transfer counters may take to count a length's requests
 XFERS, XFER_SECONDS, XFER_BYTES = "vllm:nixl_xfer_time_seconds_count", "vllm:nixl_xfer_time_seconds_sum", "vllm:nixl_bytes_transferred_sum"
 
 
@@ -158,9 +159,9 @@ async def _counters(client: httpx.AsyncClient, urls: Sequence[str]) -> tuple[flo
     return tuple(sum(metric_sum(t, name) for t in texts) for name in (XFERS, XFER_SECONDS, XFER_BYTES))  # type: ignore[return-value]
 
 
-async def wait_counter(client: httpx.AsyncClient, urls: Sequence[str], count: float, timeout_s: float = 15.0) -> tuple[float, float, float]:
-    """The transfer counters once they count ``count`` transfers (vLLM publishes them up to a stats interval late), or at the timeout."""
-    deadline = time.monotonic() + timeout_s
+async def wait_counter(client: httpx.AsyncClient, urls: Sequence[str], count: float) -> tuple[float, float, float]:
+    """The transfer counters once they count ``count`` transfers (vLLM publishes them up to a stats interval late), or after :data:`TRANSFER_WAIT_S`."""
+    deadline = time.monotonic() + TRANSFER_WAIT_S
     while True:
         counters = await _counters(client, urls)
         if counters[0] >= count or time.monotonic() > deadline:

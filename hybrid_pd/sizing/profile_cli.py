@@ -26,6 +26,7 @@ from hybrid_pd.common import checks
 from hybrid_pd.common.arg_types import at_least, checked
 from hybrid_pd.connector.plan import PlanError, model_shape
 from hybrid_pd.sizing import measure
+from hybrid_pd.sizing.fitting import fit_transfer
 from hybrid_pd.sizing.profile import Profile, ProfileError
 from hybrid_pd.sizing.profiler import FULL, QUICK, Measurements, Plan, Settings, attention_block_tokens, fit_profile
 
@@ -133,8 +134,12 @@ async def _profile(args: argparse.Namespace, base: Profile) -> tuple[Profile, Me
     router = measure.Server(args.transfer_router, router_entry["id"], vocab) if router_entry else None
     measured = await _measure(plan, server, server_profile, router, args.transfer_metrics, args.seed)
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    transfer = (f"transfer measured through {args.transfer_router} (vLLM's NIXL counters of {', '.join(args.transfer_metrics)})" if router
-                else f"transfer not measured (no --transfer-router: the server alone moves no state), kept from {args.base.name}: {base.source}")  # fmt: skip
+    if measured.transfers:
+        transfer = f"transfer measured through {args.transfer_router} (vLLM's NIXL counters of {', '.join(args.transfer_metrics)})"
+    elif router is not None:
+        transfer = f"transfer through {args.transfer_router} not measured ({measured.transfer_error}), kept from {args.base.name}: {base.source}"
+    else:
+        transfer = f"transfer not measured (no --transfer-router: the server alone moves no state), kept from {args.base.name}: {base.source}"
     source = (f"measured by hybrid-pd profile{' --quick' if args.quick else ''} against {base_url(args.url)} on {when}; "
               f"hand-off kept from {args.base.name} (one server has none); {transfer}")  # fmt: skip
     return fit_profile(measured, settings, base, source), measured
@@ -154,11 +159,16 @@ async def _measure(plan: Plan, server: measure.Server, settings: Profile, router
             out = plan.output_len_for(rows, n, settings)
             log.info("decode: %d rows of %d+%d tokens", rows, n, out)
             decode.append(await measure.decode_point(pool, server, rows, n, out, seed + 200 + i))
-        transfers = []
+        transfers, error = [], None
         if router is not None:
             log.info("transfers through %s at %s tokens", router.url, plan.prompt_lens)
-            transfers = await measure.transfer_points(pool, router, decode_metrics, plan.prompt_lens, plan.repeats, seed + 300)
-    return Measurements(lone, plan.burst_prompt_len, requests, bursts, decode, transfers)
+            try:
+                transfers = await measure.transfer_points(pool, router, decode_metrics, plan.prompt_lens, plan.repeats, seed + 300)
+                fit_transfer(transfers)
+            except (measure.MeasureError, httpx.HTTPError, ValueError) as exc:  # the rest of the profile stands without it
+                transfers, error = [], f"{type(exc).__name__}: {exc}"
+                log.warning("transfer not measured, the base profile's kept: %s", error)
+    return Measurements(lone, plan.burst_prompt_len, requests, bursts, decode, transfers, error)
 
 
 async def _version(client: httpx.AsyncClient, url: str) -> str:

@@ -127,6 +127,7 @@ class Measurements:
     burst_rps: list[float]  # one per burst
     decode: list[DecodePoint]
     transfers: list[tuple[float, float]]  # (bytes, ms) per prompt length; empty: not measured
+    transfer_error: str | None = None  # why transfers asked for were not measured, or not fitted
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
