@@ -31,3 +31,10 @@ def test_prefix_hit_granule_is_none_without_prefix_caching_and_the_checkpoint_bl
     assert prefix_hit_tokens(on) == 1040 and cache_block_size(on) == 2048
     assert prefix_hit_tokens(_info(block_size="2048", enable_prefix_caching="True", cache_hit_alignment_tokens="520", mamba_block_size="1040")) == 520
     assert prefix_hit_tokens("") is None and cache_block_size("") is None
+
+
+def test_the_block_the_engine_logged_comes_before_the_api_servers_labels():
+    on = _info(block_size="16", enable_prefix_caching="True", mamba_block_size="None")
+    assert prefix_hit_tokens(on) == 16 and prefix_hit_tokens(on, engine_block=1152) == 1152
+    assert prefix_hit_tokens(_info(block_size="16", enable_prefix_caching="False"), engine_block=1152) is None
+    assert prefix_hit_tokens(_info(block_size="16", enable_prefix_caching="True", effective_attention_block_size="128")) == 128

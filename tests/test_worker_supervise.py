@@ -268,3 +268,16 @@ def test_shared_memory_a_dead_process_mapped_is_removed_and_what_a_live_one_maps
         for path in paths:
             if os.path.exists(path):
                 os.unlink(path)
+
+
+def test_output_relay_keeps_the_attention_block_the_engine_chose():
+    """Where a hybrid's prefix-cache hits land; vLLM's API server metrics show the block size from before (16 on a GPU)."""
+    read_fd, write_fd = os.pipe()
+    with os.fdopen(read_fd, "rb") as stream, os.fdopen(write_fd, "wb", buffering=0) as writer:
+        relay = OutputRelay(stream)
+        assert relay.attention_block is None
+        writer.write(b"(EngineCore pid=7) INFO 11-26 01:14:31 [interface.py:906] Setting attention block size to 1152 tokens to ensure that "
+                     b"attention page size is >= mamba page size.\n")  # fmt: skip
+        writer.write(b"(Worker pid=8) INFO loading weights\n" * 500)  # far out of the tail by the time vLLM is ready
+    relay.join(5)
+    assert relay.attention_block == 1152

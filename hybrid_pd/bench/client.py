@@ -126,6 +126,23 @@ class _Stream:
             self.usage = event["usage"]
 
 
+async def _sse_lines(response: httpx.Response) -> AsyncIterator[str]:
+    """The stream's lines, cut at ``\\n`` only.
+
+    httpx's ``aiter_lines`` cuts where ``str.splitlines`` does, inside a JSON string too: a token
+    that decodes to U+2028 or U+0085 (vLLM leaves both unescaped) split its event in two, and the
+    request counted as failed ("malformed event"; once in 128 multi-turn requests on GPU).
+    """
+    pending = b""
+    async for chunk in response.aiter_bytes():
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            yield line.rstrip(b"\r").decode("utf-8", "replace")
+    if pending:
+        yield pending.rstrip(b"\r").decode("utf-8", "replace")
+
+
 async def complete(client: httpx.AsyncClient, url: str, body: dict[str, Any], request_id: str | None = None) -> RequestResult:
     """Send one completion request to ``url`` (the full ``.../v1/completions`` URL) and time it; ``request_id``: its ``X-Request-Id``."""
     headers = None if request_id is None else {"X-Request-Id": request_id}
@@ -145,7 +162,7 @@ async def _streamed(client: httpx.AsyncClient, url: str, body: dict[str, Any], h
                 text = (await response.aread()).decode("utf-8", "replace")[:_ERROR_BODY_CHARS]
                 return RequestResult(sent, time.perf_counter() - sent, error=f"HTTP {status}: {text}", status=status)
             # Read to the end even after [DONE], so that the connection goes back to the pool.
-            async for line in response.aiter_lines():
+            async for line in _sse_lines(response):
                 if not seen.done:
                     seen.feed(line, time.perf_counter())
                 if seen.error:

@@ -56,6 +56,9 @@ class Conversations:
     shared_system: bool = False
     vocab: int = 32000
     seed: int = 0
+    # The tokens' own seed: runs with other tags send conversations of the very same lengths with
+    # other tokens, so a run on servers an earlier run used finds nothing of it in their caches.
+    tag: str = ""
 
     def ids(self, rng: random.Random, n: int) -> list[int]:
         return [rng.randrange(10, self.vocab - 10) for _ in range(n)]
@@ -74,11 +77,11 @@ class Turn:
 async def _conversation(
     client: httpx.AsyncClient, url: str, sampling: Sampling, spec: Conversations, index: int, system: list[int], salt: bool
 ) -> list[Turn]:
-    rng = random.Random(f"{spec.seed}-{index}")
+    lengths, rng = random.Random(f"{spec.seed}-{index}"), random.Random(f"{spec.seed}-{index}-{spec.tag}")
     history = list(system)
     turns = []
     for turn in range(spec.turns):
-        prompt = history + spec.ids(rng, rng.randint(*spec.user_tokens))
+        prompt = history + spec.ids(rng, lengths.randint(*spec.user_tokens))
         body = {**sampling.body(prompt), "return_token_ids": True}
         if salt:
             body["cache_salt"] = f"{spec.seed}-{index}-{turn}"
@@ -94,13 +97,12 @@ async def _conversation(
 async def run(url: str, model: str, spec: Conversations, concurrency: int, salt: bool = False) -> list[Turn]:
     """Every conversation of ``spec`` through ``url``, ``concurrency`` at a time; its turns in the order they were sent."""
     sampling = Sampling(model, spec.output_tokens)
-    rng = random.Random(spec.seed)
-    shared = spec.ids(rng, spec.system_tokens)
+    shared = spec.ids(random.Random(f"{spec.seed}-{spec.tag}"), spec.system_tokens)
     gate = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
 
     async def one(index: int, client: httpx.AsyncClient) -> list[Turn]:
-        system = shared if spec.shared_system else spec.ids(random.Random(f"{spec.seed}-system-{index}"), spec.system_tokens)
+        system = shared if spec.shared_system else spec.ids(random.Random(f"{spec.seed}-system-{index}-{spec.tag}"), spec.system_tokens)
         async with gate:
             return await _conversation(client, url, sampling, spec, index, system, salt)
 
@@ -193,15 +195,19 @@ def table(summary: dict[str, Any]) -> str:
 
 
 def measure(url: str, model: str, spec: Conversations, concurrency: int, metrics: dict[str, list[str]], slos: Sequence[tuple[float, float]],
-            gpus: int, salt: bool = False) -> dict[str, Any]:  # fmt: skip
-    """One run, with the workers' cache counters read before and after; the summary and the workload."""
+            gpus: int, salt: bool = False, granule: int | None = None) -> dict[str, Any]:  # fmt: skip
+    """One run, with the workers' cache counters read before and after; the summary and the workload.
+
+    ``granule``: where the workers' hits land, when their metrics do not say (vLLM 0.26 shows the
+    block size from before the engine raised it: :func:`hybrid_pd.common.prom.prefix_hit_tokens`).
+    """
     before = cache_counters(metrics)
     started = time.perf_counter()
     turns = asyncio.run(run(url, model, spec, concurrency, salt))
     wall = time.perf_counter() - started
     after = cache_counters(metrics)
     cache = {g: {k: after[g][k] - before[g][k] for k in after[g]} for g in after}
-    ideal = 0 if salt else ideal_reusable(turns, granule_of(metrics))
+    ideal = 0 if salt else ideal_reusable(turns, granule or granule_of(metrics))
     summary = summarize(turns, wall, slos, gpus, cache, ideal)
     errors = sorted({t.result.error for t in turns if t.result.error})
     return {"workload": {**asdict(spec), "concurrency": concurrency, "cache_salt": salt}, "summary": summary, "errors": errors[:5]}
@@ -229,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--metrics", action="append", type=_metrics, default=[], help="GROUP=URL of a worker whose prefix-cache counters to read (repeatable)")
     ap.add_argument("--slo", action="append", help="TTFT/TPOT ms (repeatable; default 500/20 and 1500/50)")
     ap.add_argument("--gpus", type=int, default=1, help="GPUs behind --url, for goodput per GPU")
+    ap.add_argument("--granule", type=int, help="tokens where prefix hits land (default: the first --metrics worker's cache_config_info)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     low, _, high = args.user_tokens.partition("-")
@@ -238,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     groups: dict[str, list[str]] = {}
     for group, url in args.metrics:
         groups.setdefault(group, []).append(url)
-    result = measure(args.url.rstrip("/"), args.model, spec, args.concurrency, groups, slos, args.gpus, args.cache_salt)
+    result = measure(args.url.rstrip("/"), args.model, spec, args.concurrency, groups, slos, args.gpus, args.cache_salt, args.granule)
     print(table(result["summary"]), flush=True)
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))

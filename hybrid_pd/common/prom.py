@@ -27,15 +27,21 @@ def cache_block_size(text: str) -> int | None:
     return _positive(metric_label(text, "vllm:cache_config_info", "block_size"))
 
 
-def prefix_hit_tokens(text: str) -> int | None:
-    """The granule at which vLLM's prefix-cache hits land, from its ``cache_config_info``; None when prefix caching is off.
+def prefix_hit_tokens(text: str, engine_block: int | None = None) -> int | None:
+    """The granule at which vLLM's prefix-cache hits land; None when prefix caching is off (``cache_config_info``).
 
-    For a hybrid that is the state checkpoint block: ``cache_hit_alignment_tokens`` where vLLM
-    exposes it, else ``mamba_block_size``, else the block size.
+    For a hybrid that is the state checkpoint block, the attention block vLLM's engine raised
+    until its page holds a Mamba page. The API server's ``cache_config_info`` shows the block
+    size from before that (16 on vLLM 0.26 GPU: hits landed at 1,152), so ``engine_block``, the
+    size the engine logged (:class:`hybrid_pd.worker.supervise.OutputRelay`), comes first; then
+    what the engine handed back to the API server where vLLM does (``cache_hit_alignment_tokens``,
+    ``effective_attention_block_size``), ``mamba_block_size``, and the block size.
     """
     if metric_label(text, "vllm:cache_config_info", "enable_prefix_caching") != "True":
         return None
-    for label in ("cache_hit_alignment_tokens", "mamba_block_size", "block_size"):
+    if engine_block:
+        return engine_block
+    for label in ("cache_hit_alignment_tokens", "effective_attention_block_size", "mamba_block_size", "block_size"):
         value = _positive(metric_label(text, "vllm:cache_config_info", label))
         if value is not None:
             return value

@@ -48,17 +48,18 @@ def _metrics(vllm_url: str) -> str:
         return resp.read().decode()
 
 
-def cache_facts(vllm_url: str) -> tuple[int | None, int | None]:
+def cache_facts(vllm_url: str, engine_block: int | None = None) -> tuple[int | None, int | None]:
     """(block size, prefix-hit granule) the running vLLM chose, None where it cannot be read.
 
     The block size is part of what the router pairs by; the granule tells its prefix_reuse policy
-    what this worker can resume (None: prefix caching off).
+    what this worker can resume (None: prefix caching off). ``engine_block``: the attention block
+    the engine logged, which its metrics do not show.
     """
     try:
         text = _metrics(vllm_url)
     except (urllib.error.URLError, OSError):
         return None, None
-    return cache_block_size(text), prefix_hit_tokens(text)
+    return cache_block_size(text), prefix_hit_tokens(text, engine_block)
 
 
 def running_requests(vllm_url: str) -> float:

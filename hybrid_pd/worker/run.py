@@ -166,7 +166,7 @@ def run_worker(role: Role, settings: WorkerSettings) -> int:
         if not ready and checks.ready_at is not None:
             ready = True
             segments = shared_memory_of(process_group(proc.pid))  # a process that dies later maps nothing any more
-            link = _ready(role, settings, spec, vllm_url)
+            link = _ready(role, settings, spec, vllm_url, relay.attention_block)
         stopping.wait(_POLL_S)
     checks.stop()
     if failure is not None:
@@ -186,7 +186,7 @@ def run_worker(role: Role, settings: WorkerSettings) -> int:
     return 0
 
 
-def _ready(role: Role, settings: WorkerSettings, spec: WorkerSpec, vllm_url: str) -> RouterLink | None:
+def _ready(role: Role, settings: WorkerSettings, spec: WorkerSpec, vllm_url: str, engine_block: int | None) -> RouterLink | None:
     """vLLM answered /health: say so, and register with the routers (P/D roles) and heartbeat."""
     log.info("ready %s", kv(role=role, url=vllm_url))
     if not settings.router_url or role == "colocated":
@@ -194,7 +194,7 @@ def _ready(role: Role, settings: WorkerSettings, spec: WorkerSpec, vllm_url: str
     link = RouterLink(
         settings.router_urls,
         settings.advertise_url or vllm_url,
-        worker_identity(spec, *cache_facts(vllm_url)),
+        worker_identity(spec, *cache_facts(vllm_url, engine_block)),
         settings.admin_token,
         settings.heartbeat_interval_s,
         every_address=settings.router_every_address,

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import sys
 import threading
 import time
@@ -235,6 +236,15 @@ def engine_load(metrics_text: str) -> EngineLoad:
     return EngineLoad(round(requests), tuple(metric_sum(metrics_text, name) for name in PROGRESS_METRICS))
 
 
+_ATTENTION_BLOCK = re.compile(r"Setting attention block size to (\d+) tokens")
+
+
+def logged_attention_block(text: str) -> int | None:
+    """The attention block vLLM's engine logged it chose for a hybrid (the last one logged), None where it logged none."""
+    found = _ATTENTION_BLOCK.findall(text)
+    return int(found[-1]) if found else None
+
+
 class OutputRelay:
     """Copies vLLM's output to ours as it comes, keeps its last lines, and notes when it last showed progress.
 
@@ -246,6 +256,9 @@ class OutputRelay:
         self.tail: deque[str] = deque(maxlen=tail_lines)
         self.output_at = time.monotonic()
         self.fatal_line: str | None = None
+        # The attention block the engine chose for a hybrid ("Setting attention block size to N tokens"): where its
+        # prefix-cache hits land, which its API server's metrics do not show (hybrid_pd.common.prom.prefix_hit_tokens).
+        self.attention_block: int | None = None
         self._stream = stream
         self._thread = threading.Thread(target=self._run, name="vllm-output", daemon=True)
         self._thread.start()
@@ -268,6 +281,7 @@ class OutputRelay:
                 self.tail.append(line)
                 if line.startswith(FATAL_LINES) and self.fatal_line is None:
                     self.fatal_line = line
+                self.attention_block = logged_attention_block(line) or self.attention_block
                 progress = progress or not any(mark in line for mark in WAITING_LINES)
             if progress:
                 self.output_at = time.monotonic()
