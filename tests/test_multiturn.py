@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import random
 
+import httpx
 import pytest
 
-from hybrid_pd.bench.client import RequestResult
+from hybrid_pd.bench.client import RequestResult, complete
 from hybrid_pd.bench.gpu.goodput import SERVERS, SYSTEMS
 from hybrid_pd.bench.gpu.multiturn import worker_groups
 from hybrid_pd.bench.multiturn import Conversations, Turn, ideal_reusable, summarize
@@ -48,3 +50,14 @@ def test_the_gpu_runner_reads_each_systems_cache_counters_by_the_role_its_router
     assert worker_groups(SYSTEMS["pd"], urls) == {"prefill": ["http://flex0"], "decode": ["http://flex1"]}
     assert worker_groups(SYSTEMS["replicas"], urls) == {"decode": ["http://colocated0", "http://colocated1"]}
     assert worker_groups(SYSTEMS["adaptive"], urls) == {"flex": ["http://flex0", "http://flex1"]}
+
+
+async def test_a_token_that_decodes_to_a_unicode_line_separator_does_not_cut_its_event():
+    """vLLM leaves U+2028 and U+0085 unescaped in its JSON; httpx's aiter_lines cut there and the request counted as failed."""
+    events = [{"choices": [{"index": 0, "text": text, "token_ids": [i]}]} for i, text in enumerate(["a", "\u2028", "b\u0085c"])]
+    body = "".join(f"data: {json.dumps(e, ensure_ascii=False)}\n\n" for e in events) + "data: [DONE]\n\n"
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body.encode()))
+    async with httpx.AsyncClient(transport=transport) as client:
+        result = await complete(client, "http://server/v1/completions", {"stream": True})
+    assert result.ok, result.error
+    assert result.output_ids == (0, 1, 2) and result.output_tokens == 3
