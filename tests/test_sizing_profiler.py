@@ -3,6 +3,7 @@ full-batch window, its plan within a server's limits, its usage errors (a real s
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -57,6 +58,8 @@ def test_the_fit_recovers_the_profile_that_produced_the_measurements():
 def test_without_transfers_the_base_profile_s_transfer_is_kept():
     got = fit_profile(measured_by(TRUTH, transfers=False), SETTINGS, BASE, "synthetic")
     assert got.transfer == BASE.transfer
+    unfitted = dataclasses.replace(measured_by(TRUTH), transfer_error="ValueError: the measured transfer time does not grow")
+    assert fit_profile(unfitted, SETTINGS, BASE, "synthetic").transfer == BASE.transfer  # measured, kept on record, not fitted
     assert got.prefill_per_token_ms == pytest.approx(0.02, rel=1e-3)
 
 

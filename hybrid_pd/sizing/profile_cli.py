@@ -134,7 +134,7 @@ async def _profile(args: argparse.Namespace, base: Profile) -> tuple[Profile, Me
     router = measure.Server(args.transfer_router, router_entry["id"], vocab) if router_entry else None
     measured = await _measure(plan, server, server_profile, router, args.transfer_metrics, args.seed)
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    if measured.transfers:
+    if measured.transfers and measured.transfer_error is None:
         transfer = f"transfer measured through {args.transfer_router} (vLLM's NIXL counters of {', '.join(args.transfer_metrics)})"
     elif router is not None:
         transfer = f"transfer through {args.transfer_router} not measured ({measured.transfer_error}), kept from {args.base.name}: {base.source}"
@@ -166,7 +166,7 @@ async def _measure(plan: Plan, server: measure.Server, settings: Profile, router
                 transfers = await measure.transfer_points(pool, router, decode_metrics, plan.prompt_lens, plan.repeats, seed + 300)
                 fit_transfer(transfers)
             except (measure.MeasureError, httpx.HTTPError, ValueError) as exc:  # the rest of the profile stands without it
-                transfers, error = [], f"{type(exc).__name__}: {exc}"
+                error = f"{type(exc).__name__}: {exc}"
                 log.warning("transfer not measured, the base profile's kept: %s", error)
     return Measurements(lone, plan.burst_prompt_len, requests, bursts, decode, transfers, error)
 

@@ -10,7 +10,8 @@ profile (:func:`fit_profile`):
 - prefill per token: the cost at which the simulator serves the prefill burst at its measured
   throughput, the lone TTFTs less their prefill steps being the prompt latency;
 - transfer: vLLM's own NIXL counters per prompt length, given a P/D router and its decode
-  workers; else the base profile's (the JSON's ``source`` says so);
+  workers; else, or when they cannot be measured or fitted (on CPU a transfer's time can shrink
+  as its bytes grow), the base profile's (the JSON's ``source`` says so);
 - hand-off: always the base profile's (one server has none).
 
 Memory and scheduler fields are the server's settings: ``--kv-cache-memory-bytes`` from its
@@ -127,7 +128,7 @@ class Measurements:
     burst_rps: list[float]  # one per burst
     decode: list[DecodePoint]
     transfers: list[tuple[float, float]]  # (bytes, ms) per prompt length; empty: not measured
-    transfer_error: str | None = None  # why transfers asked for were not measured, or not fitted
+    transfer_error: str | None = None  # why the transfers asked for were not measured or not fitted (the base profile's is kept)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -141,7 +142,7 @@ def burst_workload(m: Measurements) -> Workload:
 
 def fit_profile(m: Measurements, settings: Settings, base: Profile, source: str) -> Profile:
     """The profile of the module docstring; ``base`` gives the hand-off, and the transfer when none was measured."""
-    transfer: Transfer = fit_transfer(m.transfers) if m.transfers else base.transfer
+    transfer: Transfer = fit_transfer(m.transfers) if m.transfers and m.transfer_error is None else base.transfer
     draft = settings.draft(base).model_copy(update={
         "source": source, "decode": fit_decode_step([(d.rows, d.context, d.step_ms) for d in m.decode]), "transfer": transfer,
     })  # fmt: skip

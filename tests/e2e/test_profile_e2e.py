@@ -3,7 +3,8 @@ router, and the profile fed to ``hybrid-pd size``.
 
 A CPU smoke of the whole path, not of CPU speed: the profile is written in the format ``size``
 loads, every step and latency fitted is positive, the transfers it measured through the router
-moved the bytes ``hybrid-pd plan`` counts for each prompt length (vLLM's own counters), and
+moved the bytes ``hybrid-pd plan`` counts for each prompt length (vLLM's own counters; their times
+are latency-bound on CPU and fit a bandwidth in some runs only, the JSON says which), and
 ``size`` lays out every layout from it. The colocated server serves nothing else meanwhile.
 """
 
@@ -42,7 +43,11 @@ def test_profile_of_the_colocated_server_feeds_size(stack, tmp_path, capsys):
     assert len(measured["decode"]) >= 4 and {d["rows"] for d in measured["decode"]} >= {1, 4}
     # each prompt length's transfer moved, per request, what the plan of this profile counts to the byte
     assert [b for b, _ in measured["transfers"]] == [profile.transfer_plan(n).total_bytes for n in QUICK.prompt_lens]
-    assert "transfer measured through" in profile.source and profile.transfer.bandwidth_gbps > 0
+    if measured["transfer_error"] is None:
+        assert "transfer measured through" in profile.source
+    else:  # on CPU a transfer's time is mostly its latency, and can shrink as its bytes grow: then no bandwidth is fitted
+        assert measured["transfer_error"].startswith("ValueError: the measured transfer time does not grow")
+        assert f"not measured ({measured['transfer_error']})" in profile.source
 
     sized = tmp_path / "size.json"
     argv = ["size", "--profile", str(out), "--gpus", "2,4", "--input-len", "200", "--output-len", "32", "--concurrency", "16",
