@@ -3,7 +3,7 @@
 Run on a machine with one NVIDIA GPU and vLLM + NIXL installed (see ../shared/gpu/README.md):
 
     python3 -m hybrid_pd.bench.gpu.gsm8k_gate --out results/ [--limit 600] [--concurrency 32] [--min-agreement 0.99]
-        [--configs shipped,control,control+connector,control+piecewise]
+        [--configs shipped,control,control+connector,control+piecewise] [--pd-arg=--vllm-arg=--enable-prefix-caching]
 
 Serves the project's trained model (``hybrid_pd/models/hybrid-pd-tiny``) in bf16 through
 ``hybrid-pd``: one prefill worker, one colocated server, and for each configuration a
@@ -199,6 +199,9 @@ def main() -> int:
     ap.add_argument("--explain", type=int, default=20, help="disagreements to re-ask with logprobs, per configuration")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a smoke run (float32, eager)")
     ap.add_argument("--deadline-s", type=float, default=3600, help="skip configurations that would start after this")
+    ap.add_argument("--pd-arg", action="append", default=[],
+                    help="one more flag for the prefill and decode workers, not the colocated reference "
+                         "(--pd-arg=--vllm-arg=--enable-prefix-caching: the gate with prefix caching on against a server without)")  # fmt: skip
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
@@ -218,7 +221,7 @@ def main() -> int:
         port = free_port()
         argv = cli(role, *common, *flags, "--port", str(port))
         if role != "colocated":
-            argv += ["--side-channel-port", str(free_port())]
+            argv += ["--side-channel-port", str(free_port()), *args.pd_arg]
         procs[server] = spawn(argv, env=env or None, log=args.out / f"{server}.log")
         urls[server] = f"http://127.0.0.1:{port}"
     for name in configs:
@@ -231,7 +234,7 @@ def main() -> int:
     summary: dict = {
         "device": device_name(), "versions": versions(), "model": DEFAULT_MODEL_NAME, "device_kind": args.device,
         "dtype": "bfloat16" if args.device == "cuda" else "float32", "limit": args.limit, "concurrency": args.concurrency,
-        "min_agreement": args.min_agreement, "near_tie_max_gap": NEAR_TIE, "command": " ".join(sys.argv),
+        "min_agreement": args.min_agreement, "near_tie_max_gap": NEAR_TIE, "command": " ".join(sys.argv), "pd_args": args.pd_arg,
         "configs": {},
     }  # fmt: skip
     try:
@@ -252,6 +255,12 @@ def main() -> int:
             (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
             shown = {k: v for k, v in result.items() if k not in ("divergences", "command")}
             print(f"== {name}: {json.dumps(shown)}", flush=True)
+        # With --pd-arg=--vllm-arg=--enable-prefix-caching: proof that the P/D workers hit (the few-shot prefix is shared).
+        summary["prefix_cache_tokens"] = {
+            server: {"hits": metrics_of(url, "vllm:prefix_cache_hits_total"), "queries": metrics_of(url, "vllm:prefix_cache_queries_total")}
+            for server, url in urls.items() if server in workers
+        }
+        print(f"== prefix cache tokens: {json.dumps(summary['prefix_cache_tokens'])}", flush=True)
     finally:
         summary["wall_s"] = round(time.monotonic() - started, 1)
         (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
