@@ -70,19 +70,18 @@ def test_a_worker_whose_vllm_lacks_a_piece_stops_naming_it(tmp_path):
     assert "vLLM command" not in done.stderr, "vLLM was started anyway"
 
 
-def test_without_the_decode_row_fix_the_connector_applies_it_and_says_so(tmp_path, monkeypatch):
-    # vLLM's reclassification taken out everywhere (the colocated baseline too): the decode worker's
-    # probe finds it missing and our connector puts it back, in the engine, on its own.
+def test_without_the_decode_row_fix_the_connector_applies_it_and_says_so(tmp_path, monkeypatch, colocated: httpx.Client):
+    # vLLM's reclassification taken out of this stack's workers: the decode worker's probe finds it
+    # missing and our connector puts it back, in the engine, on its own. The reference is the session's
+    # colocated server (a colocated server never has a pulled token N to reclassify).
     env = _without(tmp_path / "site", "vllm.v1.attention.backends.mamba_attn",
                    "from hybrid_pd.connector.vllm.decode_rows import remove_vllm_fix\nremove_vllm_fix()")  # fmt: skip
     monkeypatch.setenv("PYTHONPATH", env["PYTHONPATH"])
     monkeypatch.setenv("HYBRID_PD_HOME", str(tmp_path / "home"))  # a fresh probe, not an earlier result
     model, name = resolve_model(None)
-    config = StackConfig(model=model, served_model_name=name, port=free_port(), baseline=True,
-                         log_dir=tmp_path / "logs", ready_timeout_s=600)  # fmt: skip
+    config = StackConfig(model=model, served_model_name=name, port=free_port(), log_dir=tmp_path / "logs", ready_timeout_s=600)
     with Stack(config) as stack:
         decode = stack.workers("decode")[0].url
-        colocated = stack.workers("colocated")[0].url
         capability = httpx.get(decode + "/metrics", timeout=30).text
         assert 'hybrid_pd:capability{capability="decode_row_reclassification",state="fallback:connector"} 1.0' in capability
         assert 'hybrid_pd:capability{capability="nixl_mamba_transfer",state="vllm"} 1.0' in capability
@@ -93,5 +92,5 @@ def test_without_the_decode_row_fix_the_connector_applies_it_and_says_so(tmp_pat
         body = {"model": name, "max_tokens": 24, "temperature": 0, "return_token_ids": True}
         for prompt in ("Question: Maya has 41 beads. She buys 37 more beads. How many beads does Maya have now?\nAnswer:", "Hi"):
             routed = httpx.post(stack.url + "/v1/completions", json={**body, "prompt": prompt}, timeout=300).json()
-            local = httpx.post(colocated + "/v1/completions", json={**body, "prompt": prompt}, timeout=300).json()
+            local = colocated.post("/v1/completions", json={**body, "prompt": prompt}, timeout=300).json()
             assert routed["choices"][0]["token_ids"] == local["choices"][0]["token_ids"], prompt

@@ -33,7 +33,7 @@ QUESTION = "Question: Maya has 41 beads. She buys 37 more beads. How many beads 
 def short_lease_stack(tmp_path_factory):
     model, name = resolve_model(None, "hybrid-pd-tiny")
     config = StackConfig(
-        model=model, served_model_name=name, port=free_port(), baseline=True, ready_timeout_s=600,
+        model=model, served_model_name=name, port=free_port(), ready_timeout_s=600,
         log_dir=tmp_path_factory.mktemp("lease-logs"),
         worker_args=("--kv-lease-s", str(LEASE_S), "--kv-cache-memory-bytes", str(CACHE_BYTES)),
     )  # fmt: skip
@@ -43,11 +43,11 @@ def short_lease_stack(tmp_path_factory):
         yield stack
 
 
-def test_a_pull_after_the_lease_ran_out_is_recomputed_not_answered_from_reused_blocks(short_lease_stack):
+def test_a_pull_after_the_lease_ran_out_is_recomputed_not_answered_from_reused_blocks(short_lease_stack, colocated: httpx.Client):
     stack = short_lease_stack
     body = {"model": "hybrid-pd-tiny", "prompt": QUESTION, "max_tokens": 24, "temperature": 0}
     with httpx.Client(timeout=120) as client:
-        prefill, decode, colocated = (stack.workers(role)[0].url for role in ("prefill", "decode", "colocated"))
+        prefill, decode = (stack.workers(role)[0].url for role in ("prefill", "decode"))
         params = client.post(prefill + "/v1/completions", json=prefill_body(body)).json()["kv_transfer_params"]
         assert params[LEASE_EXPIRES_KEY] <= time.time() + LEASE_S
         time.sleep(LEASE_S + 1)
@@ -57,13 +57,13 @@ def test_a_pull_after_the_lease_ran_out_is_recomputed_not_answered_from_reused_b
             filler = {"model": "hybrid-pd-tiny", "prompt": f"Question: Tom has {i} apples and {i + 3} pears " * 20, "max_tokens": 1}
             assert client.post(prefill + "/v1/completions", json=filler).status_code == 200
         answer = client.post(decode + "/v1/completions", json=decode_body(body, params))
-        expected = client.post(colocated + "/v1/completions", json=body).json()["choices"][0]["text"]
+        expected = colocated.post("/v1/completions", json=body).json()["choices"][0]["text"]
     assert answer.status_code == 200
     assert answer.json()["choices"][0]["text"] == expected
     assert "after the prefill's KV lease ran out" in stack.log_path("decode-0").read_text()
 
 
-def test_requests_through_the_router_still_move_state_within_the_lease(short_lease_stack):
+def test_requests_through_the_router_still_move_state_within_the_lease(short_lease_stack, colocated: httpx.Client):
     """The check costs nothing on the normal path: pulls inside the lease are used, not recomputed."""
     stack = short_lease_stack
     log_before = stack.log_path("decode-0").read_text().count("after the prefill's KV lease ran out")
@@ -71,6 +71,5 @@ def test_requests_through_the_router_still_move_state_within_the_lease(short_lea
         for prompt in (QUESTION, "Once upon a time"):
             body = {"model": "hybrid-pd-tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0}
             routed = client.post(stack.url + "/v1/completions", json=body).json()["choices"][0]["text"]
-            colocated = client.post(stack.workers("colocated")[0].url + "/v1/completions", json=body).json()
-            assert routed == colocated["choices"][0]["text"]
+            assert routed == colocated.post("/v1/completions", json=body).json()["choices"][0]["text"]
     assert stack.log_path("decode-0").read_text().count("after the prefill's KV lease ran out") == log_before
