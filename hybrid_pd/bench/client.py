@@ -22,6 +22,7 @@ from typing import Any
 
 import httpx
 
+from hybrid_pd.common.sse import sse_lines
 from hybrid_pd.eval.client import EndpointError, base_url
 
 __all__ = ["ClientPool", "EndpointError", "RequestResult", "Sampling", "base_url", "complete", "model_entry"]
@@ -126,23 +127,6 @@ class _Stream:
             self.usage = event["usage"]
 
 
-async def _sse_lines(response: httpx.Response) -> AsyncIterator[str]:
-    """The stream's lines, cut at ``\\n`` only.
-
-    httpx's ``aiter_lines`` cuts where ``str.splitlines`` does, inside a JSON string too: a token
-    that decodes to U+2028 or U+0085 (vLLM leaves both unescaped) split its event in two, and the
-    request counted as failed ("malformed event"; once in 128 multi-turn requests on GPU).
-    """
-    pending = b""
-    async for chunk in response.aiter_bytes():
-        pending += chunk
-        *lines, pending = pending.split(b"\n")
-        for line in lines:
-            yield line.rstrip(b"\r").decode("utf-8", "replace")
-    if pending:
-        yield pending.rstrip(b"\r").decode("utf-8", "replace")
-
-
 async def complete(client: httpx.AsyncClient, url: str, body: dict[str, Any], request_id: str | None = None) -> RequestResult:
     """Send one completion request to ``url`` (the full ``.../v1/completions`` URL) and time it; ``request_id``: its ``X-Request-Id``."""
     headers = None if request_id is None else {"X-Request-Id": request_id}
@@ -162,9 +146,9 @@ async def _streamed(client: httpx.AsyncClient, url: str, body: dict[str, Any], h
                 text = (await response.aread()).decode("utf-8", "replace")[:_ERROR_BODY_CHARS]
                 return RequestResult(sent, time.perf_counter() - sent, error=f"HTTP {status}: {text}", status=status)
             # Read to the end even after [DONE], so that the connection goes back to the pool.
-            async for line in _sse_lines(response):
+            async for raw in sse_lines(response.aiter_bytes()):
                 if not seen.done:
-                    seen.feed(line, time.perf_counter())
+                    seen.feed(raw.decode("utf-8", "replace"), time.perf_counter())
                 if seen.error:
                     break
     except httpx.HTTPError as exc:

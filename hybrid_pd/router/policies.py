@@ -169,13 +169,14 @@ class PrefixReuse:
 
     def __init__(self, context: PolicyContext | None = None) -> None:
         self._context = context or PolicyContext()
+        self._least = LeastOutstanding()
 
     def choose(self, candidates: list[Worker], request: RequestInfo) -> Worker:
         chain = request.prefix_chain
         reusable = {
             w.id: reusable_tokens(w.prefixes.matched_grains(chain), request.est_tokens, w.identity.prefix_hit_tokens) for w in candidates
         }
-        least = min(candidates, key=lambda w: (w.inflight, w.inflight_tokens, w.url))
+        least = self._least.choose(candidates, request)
         best = max(candidates, key=lambda w: (reusable[w.id], -w.inflight, -w.inflight_tokens))
         if reusable[best.id] == 0:
             pick, outcome = least, "miss"

@@ -31,11 +31,12 @@ CHARS_PER_TOKEN = 4
 
 def prefix_chain(prompt: str | Sequence[int]) -> list[int]:
     """Chained hashes of the prompt's whole grains: entry i stands for the prompt's first (i + 1) grains."""
-    step = GRAIN_TOKENS if not isinstance(prompt, str) else GRAIN_TOKENS * CHARS_PER_TOKEN
+    text = isinstance(prompt, str)
+    step = GRAIN_TOKENS * CHARS_PER_TOKEN if text else GRAIN_TOKENS
+    grains = (prompt[start : start + step] for start in range(0, len(prompt) - step + 1, step))
     chain, previous = [], 0
-    for start in range(0, len(prompt) - step + 1, step):
-        piece = prompt[start : start + step]
-        previous = hash((previous, piece if isinstance(piece, str) else tuple(piece)))
+    for grain in grains if text else map(tuple, grains):
+        previous = hash((previous, grain))
         chain.append(previous)
     return chain
 

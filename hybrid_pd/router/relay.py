@@ -28,6 +28,7 @@ from starlette.types import Send
 
 from hybrid_pd.common.logs import kv
 from hybrid_pd.common.openai_errors import error_event
+from hybrid_pd.common.sse import sse_lines
 from hybrid_pd.router.jsoncodec import dumps
 from hybrid_pd.router.metrics import Route, RouterMetrics
 from hybrid_pd.router.route import Routed
@@ -146,7 +147,7 @@ async def relay_several(streams: Sequence[DecodeStream], body: dict, answer_id: 
 
     async def pump(i: int, stream: DecodeStream) -> None:
         try:
-            async for line in _lines(stream.chunks):
+            async for line in sse_lines(stream.chunks):
                 await queue.put((i, line))
         except BaseException as exc:  # noqa: BLE001 - delivered to the consumer below
             await queue.put((i, exc))
@@ -183,24 +184,6 @@ async def relay_several(streams: Sequence[DecodeStream], body: dict, answer_id: 
     finally:
         for task in pumps:
             task.cancel()
-
-
-async def _lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """``chunks`` cut into lines, without their LF or CRLF (how vLLM ends SSE lines).
-
-    JSON text holds neither raw, so a line is never cut inside an event; a text's U+2028,
-    which ``str.splitlines`` would cut at, stays in its line.
-    """
-    pending = b""
-    async for data in chunks:
-        pending += data
-        if b"\n" not in data:
-            continue
-        *lines, pending = pending.split(b"\n")
-        for line in lines:
-            yield line[:-1] if line.endswith(b"\r") else line
-    if pending:
-        yield pending
 
 
 async def answer_whole(metrics: RouterMetrics, routed: Sequence[Routed], failed: Routed | None) -> tuple[int, bytes]:
