@@ -85,6 +85,22 @@ def test_a_killed_model_worker_left_a_zombie_is_named_with_its_signal_and_its_pa
     assert second.failure == f"VLLM::Worker (pid {WORKER}) was killed by SIGKILL and is left a zombie by VLLM::EngineCore (pid {ENGINE})"
 
 
+def test_a_zombie_whose_parent_is_a_zombie_too_is_named_with_the_titles_seen_before():
+    """Seen in CI on a loaded machine: the model worker and its engine core were both zombies at the first look after
+    the kill. A zombie's command line is empty, so naming its parent from /proc alone raised IndexError and the worker
+    service crashed (exit 1) instead of ending vLLM with its reason (exit 3)."""
+    group = serving_vllm()
+    both = group | {
+        WORKER: proc(WORKER, "", ppid=ENGINE, state="Z", status=signal.SIGKILL),
+        ENGINE: proc(ENGINE, "", state="Z", status=1 << 8),
+    }
+    _, decision = run([see(group, 1), see(both, 1.5)])
+    assert decision.failure == (
+        f"VLLM::EngineCore (pid {ENGINE}) exited with status 1 and is left a zombie by vLLM's API server (pid {API}); "
+        f"VLLM::Worker (pid {WORKER}) was killed by SIGKILL and is left a zombie by VLLM::EngineCore (pid {ENGINE})"
+    )
+
+
 def test_a_process_reaped_before_it_was_seen_dead_still_counts():
     group = serving_vllm()
     gone = {k: v for k, v in group.items() if k != ENGINE}
@@ -273,11 +289,12 @@ def test_shared_memory_a_dead_process_mapped_is_removed_and_what_a_live_one_maps
 def test_output_relay_keeps_the_attention_block_the_engine_chose():
     """Where a hybrid's prefix-cache hits land; vLLM's API server metrics show the block size from before (16 on a GPU)."""
     read_fd, write_fd = os.pipe()
-    with os.fdopen(read_fd, "rb") as stream, os.fdopen(write_fd, "wb", buffering=0) as writer:
+    with os.fdopen(read_fd, "rb") as stream:  # closed once the relay read it to its end, not under the relay's read
         relay = OutputRelay(stream)
         assert relay.attention_block is None
-        writer.write(b"(EngineCore pid=7) INFO 11-26 01:14:31 [interface.py:906] Setting attention block size to 1152 tokens to ensure that "
-                     b"attention page size is >= mamba page size.\n")  # fmt: skip
-        writer.write(b"(Worker pid=8) INFO loading weights\n" * 500)  # far out of the tail by the time vLLM is ready
-    relay.join(5)
+        with os.fdopen(write_fd, "wb", buffering=0) as writer:
+            writer.write(b"(EngineCore pid=7) INFO 11-26 01:14:31 [interface.py:906] Setting attention block size to 1152 tokens to ensure "
+                         b"that attention page size is >= mamba page size.\n")  # fmt: skip
+            writer.write(b"(Worker pid=8) INFO loading weights\n" * 500)  # far out of the tail by the time vLLM is ready
+        relay.join(5)
     assert relay.attention_block == 1152

@@ -141,8 +141,12 @@ def watched(proc: Proc, leader: int) -> bool:
     return proc.pid == leader or proc.title.startswith(TITLE_PREFIX)
 
 
-def _name(proc: Proc, leader: int) -> str:
-    return "vLLM's API server" if proc.pid == leader else proc.title.split()[0]
+def _name(proc: Proc, leader: int, seen: Mapping[int, Proc]) -> str:
+    """vLLM's title of ``proc``; a zombie's command line is empty, so its title as last seen alive (``seen``, by pid)."""
+    if proc.pid == leader:
+        return "vLLM's API server"
+    title = proc.title or (seen[proc.pid].title if proc.pid in seen else "")
+    return title.split()[0] if title else "a process"
 
 
 def _returncode_status(returncode: int) -> int:
@@ -150,15 +154,15 @@ def _returncode_status(returncode: int) -> int:
     return -returncode if returncode < 0 else returncode << 8
 
 
-def _death(before: Proc, obs: Observation) -> str | None:
-    """How a watched process ended, or None while it lives."""
+def _death(before: Proc, obs: Observation, seen: Mapping[int, Proc]) -> str | None:
+    """How a watched process ended, or None while it lives (``seen``: the watched processes as last seen alive, by pid)."""
     now = obs.group.get(before.pid)
-    who = f"{_name(before, obs.leader)} (pid {before.pid})"
+    who = f"{_name(before, obs.leader, seen)} (pid {before.pid})"
     if now is not None and now.started == before.started:
         if not now.zombie:
             return None
         parent = obs.group.get(now.ppid)
-        by = f" by {_name(parent, obs.leader)} (pid {parent.pid})" if parent is not None else ""
+        by = f" by {_name(parent, obs.leader, seen)} (pid {parent.pid})" if parent is not None else ""
         return f"{who} {describe_status(now.status)} and is left a zombie{by}"
     if before.pid == obs.leader and obs.leader_returncode is not None:
         return f"{who} {describe_status(_returncode_status(obs.leader_returncode))}"
@@ -169,8 +173,9 @@ def _track(state: WatchState, obs: Observation, window_s: float) -> tuple[dict[P
     """The watched processes alive now, since when each stopped one is stopped, and the failures among them."""
     failures = []
     alive: dict[ProcKey, Proc] = {}
+    seen = {pid: proc for (pid, _), proc in state.watched.items()}
     for key, before in state.watched.items():
-        if (how := _death(before, obs)) is not None:
+        if (how := _death(before, obs, seen)) is not None:
             failures.append(how)
         else:
             alive[key] = obs.group[before.pid]
@@ -180,7 +185,7 @@ def _track(state: WatchState, obs: Observation, window_s: float) -> tuple[dict[P
     stopped = {key: state.stopped_since.get(key, obs.at) for key, proc in alive.items() if proc.stopped}
     for key, since in stopped.items():
         if obs.at - since >= window_s:
-            failures.append(f"{_name(alive[key], obs.leader)} (pid {key[0]}) has been stopped (SIGSTOP) for {obs.at - since:.0f} s")
+            failures.append(f"{_name(alive[key], obs.leader, seen)} (pid {key[0]}) has been stopped (SIGSTOP) for {obs.at - since:.0f} s")
     return alive, stopped, failures
 
 

@@ -152,7 +152,11 @@ def _ended(up: Up, service: str, after: float, pattern: str, timeout_s: float) -
                     return line, logged, lines[i + 1 : i + 13]
         return None
 
-    return _until(f"{service} names the process ({pattern})", find, timeout_s)
+    try:
+        return _until(f"{service} names the process ({pattern})", find, timeout_s)
+    except AssertionError as exc:  # what the worker and `up` said instead, for the next reader of a CI log
+        tail = "\n".join(up.log(service).splitlines()[-40:])
+        raise AssertionError(f"{exc}\n--- {service}.log, last lines:\n{tail}\n--- up:\n{''.join(up.printed[-15:])}") from None
 
 
 def _routes_to(up: Up, role: str, url: str) -> bool:
