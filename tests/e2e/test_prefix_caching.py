@@ -87,6 +87,30 @@ def test_a_conversation_through_pd_with_prefix_hits_answers_like_colocated_witho
     assert seen[0][3] > seen[1][3] > seen[2][3], seen
 
 
+def test_a_prompt_whose_n_minus_1_the_decode_worker_holds_without_its_state_pulls_the_last_block_not_prefills(
+    caching_stack: Stack, colocated: httpx.Client
+):
+    """Two blocks of prompt, then the same two blocks + 1 token: the decode worker computed token N of the first as a
+    decode row, so it holds the attention KV of all N-1 = 2 x BLOCK tokens of the second but no state checkpoint there.
+    vLLM 0.32 then found nothing to pull and prefilled all 257 tokens on the decode worker (measured: no transfer, no hit);
+    hybrid_pd.connector.vllm.state_pull_hit leaves the last block to pull: one transfer, the plan's bytes."""
+    decode = httpx.Client(base_url=caching_stack.workers("decode")[0].url, timeout=120)
+    shape = model_shape(caching_stack.config.model)
+    base = _ids(2 * BLOCK, 29)
+    with httpx.Client(base_url=caching_stack.url, timeout=120) as router:
+        _greedy(router, base)
+        before = [settled(lambda n=n: metric(decode, n)) for n in (HITS, XFERS, BYTES)]
+        prompt = base + [17]
+        tokens, logprobs = _greedy(router, prompt)
+        after = [settled(lambda n=n: metric(decode, n)) for n in (HITS, XFERS, BYTES)]
+    reference, reference_logprobs = _greedy(colocated, prompt)
+    assert tokens == reference
+    assert max(abs(a - b) for a, b in zip(logprobs, reference_logprobs, strict=True)) < 1e-4
+    hit, transfers, moved = (a - b for a, b in zip(after, before, strict=True))
+    assert (transfers, hit) == (1, BLOCK), "the decode worker keeps its first block and pulls the second with the state"
+    assert moved == plan_transfer(shape, len(prompt), block_size=BLOCK, decode_cached_tokens=BLOCK).total_bytes
+
+
 def test_the_multi_turn_driver_measures_hits_against_the_reusable_ideal(caching_stack: Stack):
     """The CPU smoke of the multi-turn benchmark (hybrid_pd/bench/multiturn.py): conversations through the router, hits counted.
 

@@ -43,7 +43,10 @@ it is vLLM's pull connector, with the fixes and hooks below switched on per work
 9. **Pulls noticed in the step that posted them.** When ``HYBRID_PD_PULL_AWAIT_US`` is set,
    the decode worker waits, up to that long, for the reads it posted in an engine step to
    complete before vLLM looks at them in that step (:mod:`hybrid_pd.connector.vllm.pull_await` says why).
-10. **Negative control, tests only.** ``HYBRID_PD_TEST_ONLY_DISABLE_DECODE_ROW_FIX=1``
+10. **A local hit that leaves the state to pull.** With prefix caching on, a decode worker whose
+   attention KV covers all N-1 tokens handed off, but not their state, pulls the last block and
+   the state instead of prefilling the whole prompt itself (:mod:`hybrid_pd.connector.vllm.state_pull_hit`).
+11. **Negative control, tests only.** ``HYBRID_PD_TEST_ONLY_DISABLE_DECODE_ROW_FIX=1``
    removes vLLM's decode-row reclassification in this engine, behind the start-up
    checks' back: what a vLLM without it does. On a GPU with FULL CUDA graphs such a
    decode worker answers wrongly (``hybrid_pd/bench/gpu/gsm8k_gate.py`` shows it).
@@ -59,6 +62,7 @@ import os
 import time
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPullConnector
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import NixlPullConnectorScheduler
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPullConnectorWorker
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.tp_mapping import _is_attention_spec
 from vllm.v1.kv_cache_interface import AttentionSpec
@@ -72,6 +76,7 @@ from hybrid_pd.connector.vllm.nixl_merge import merge_adjacent_descriptors
 from hybrid_pd.connector.vllm.nixl_progress import throttle_progress_thread
 from hybrid_pd.connector.vllm.nixl_trace import record_transfers
 from hybrid_pd.connector.vllm.pull_await import await_transfers, posted_since
+from hybrid_pd.connector.vllm.state_pull_hit import apply as pull_state_under_local_hits
 from hybrid_pd.connector.vllm.timeline_engine import EngineTimeline
 
 __all__ = ["NixlConnector", "TESTED_VLLM_VERSIONS"]
@@ -112,6 +117,8 @@ if os.environ.get(TEST_ONLY_DISABLE_ENV) == "1" and remove_vllm_fix():
         "%s=1: TEST ONLY, vLLM's decode-row reclassification is removed in this process; with FULL CUDA graphs this "
         "decode worker answers wrongly. Never set it outside the negative control.", TEST_ONLY_DISABLE_ENV,
     )
+if hasattr(NixlPullConnectorScheduler, "_get_remote_prefill_token_count"):  # what remote_prefill_tokens asks
+    pull_state_under_local_hits()
 if CAPABILITIES.get(DECODE_ROW) == "fallback:connector" and apply_fix():
     log.warning("FALLBACK: hybrid-pd's connector applies its copy of vLLM's decode-row reclassification of token N "
                 "(decided at worker start: %s)", CAPABILITIES_ENV)
@@ -194,6 +201,10 @@ class NixlConnector(NixlPullConnector):
                 )
                 return 0, False
         return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def remote_prefill_tokens(self, request) -> int:  # noqa: ANN001 - vLLM's Request
+        """Decode, scheduler side: the prompt tokens a P/D request pulls from its prefill (N-1; fewer with MTP's lookahead)."""
+        return self.connector_scheduler._get_remote_prefill_token_count(len(request.prompt_token_ids or ()))
 
     @classmethod
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):  # noqa: ANN001, ANN206 - vLLM's signature
