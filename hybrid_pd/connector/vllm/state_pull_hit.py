@@ -37,11 +37,16 @@ def local_hit_leaving_a_pull(local_tokens: int, handed_off: int, block_size: int
 
 
 def apply() -> bool:
-    """Wrap vLLM's scheduler lookup of the local prefix hit; False where this vLLM has none to wrap (or it is wrapped)."""
+    """Wrap vLLM's scheduler lookup of the local prefix hit; False where this vLLM lacks the divergent-hit lookup (or it is wrapped).
+
+    Capability, not version: the lookup, the manager's divergent-hit path and its truncation come together (vLLM 0.32).
+    """
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.sched.scheduler import Scheduler
 
     original = getattr(Scheduler, _METHOD, None)
-    if original is None or getattr(original, _PATCHED, False):
+    divergent = all(hasattr(KVCacheManager, name) for name in ("get_computed_blocks_for_connector", "truncate_computed_blocks"))
+    if original is None or not divergent or getattr(original, _PATCHED, False):
         return False
 
     @functools.wraps(original)
