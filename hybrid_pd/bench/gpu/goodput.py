@@ -43,6 +43,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -212,6 +213,10 @@ def serve(args: argparse.Namespace) -> int:
             if not wait_http_ok(urls[name] + "/health", lambda p=proc: p.poll() is None and not stopping, args.ready_timeout_s):
                 print(f"{name} did not start; see {out / 'logs'}", file=sys.stderr, flush=True)
                 return 1
+        for name, system in systems.items():  # a router answers before it saw its workers ready: it would route around them
+            if not _wait_routed(urls[name], {urls[server] for _, server in system.legs}, lambda: not stopping, 60):
+                print(f"router {name} does not route to all its workers; see {out / 'logs'}", file=sys.stderr, flush=True)
+                return 1
         state = {"urls": urls, "systems": list(systems), "servers": list(names), "ready_s": round(time.monotonic() - started, 1)}
         (out / "servers.json").write_text(json.dumps(state, indent=1))
         while not stopping and all(p.poll() is None for p in procs.values()):
@@ -242,6 +247,18 @@ def up(args: argparse.Namespace) -> dict[str, Any]:
     state = json.loads(state_file.read_text())
     print(f"servers ready in {state['ready_s']} s", flush=True)
     return state
+
+
+def _wait_routed(router: str, workers: set[str], alive: Callable[[], bool], timeout_s: float) -> bool:
+    """Until the router's /health lists every one of ``workers`` as available (for some role); False if not within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while alive() and time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            available = httpx.get(router + "/health", timeout=5).json().get("available", {})
+            if workers <= {url for urls in available.values() for url in urls}:
+                return True
+        time.sleep(0.5)
+    return False
 
 
 def _healthy(url: str) -> bool:
