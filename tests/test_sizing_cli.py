@@ -18,7 +18,7 @@ def test_size_lays_out_every_count_and_writes_json_and_a_plot(tmp_path, capsys):
     assert [(p["gpus"], p["layout"]) for p in out["predictions"]] == [
         (1, "1 replicas"), (1, "1 flex"), (3, "3 replicas"), (3, "3 flex"), (3, "1P2D"), (3, "2P1D")
     ]
-    assert out["workload"] == {"input_len": "100-300", "output_len": "20", "num_prompts": 200, "concurrency": 8, "rate": None, "seed": 0}
+    assert out["workload"] == {"input_len": "100-300", "output_len": "20", "num_prompts": 200, "concurrency": 8, "rate": None, "seed": 0, "turns": 1, "system_len": 0}
     assert out["profile"] == json.loads((tmp_path / "profile.json").read_text()) and set(out["best"]) == {"1", "3"}
     assert all(p["completed"] == 200 and 0 <= p["goodput_rps"] <= p["throughput_rps"] for p in out["predictions"])
     table = capsys.readouterr().out

@@ -136,3 +136,54 @@ def test_lengths_parse_a_count_or_a_range():
     for bad in ("0", "9-5", "x"):
         with pytest.raises(ValueError):
             Lengths.parse(bad)
+
+
+def conversations(n: int, turns: int, system: int, user: int = 10, output: int = 5, concurrency: int = 1) -> Workload:
+    return Workload(Lengths(user, user), Lengths(output, output), n, concurrency, None, 0, turns, system)
+
+
+def test_a_conversation_is_its_turns_each_prompt_the_one_before_with_its_answer_and_a_new_message():
+    requests = conversations(5, 3, 100).requests()  # rounded up to whole conversations
+    assert [(r.conversation, r.prompt, r.earlier_prompt, r.earlier_output) for r in requests] == [
+        (0, 110, 0, 0), (0, 125, 110, 5), (0, 140, 125, 5), (1, 110, 0, 0), (1, 125, 110, 5), (1, 140, 125, 5),
+    ]  # fmt: skip
+    assert conversations(6, 3, 100).longest_request == 100 + 3 * 15
+    with pytest.raises(ValueError, match="closed loop"):
+        Workload(Lengths(10, 10), Lengths(5, 5), 6, None, 1.0, 0, 3, 100)
+
+
+def test_a_later_turn_on_a_replica_computes_only_what_its_prefix_cache_lacks():
+    first, second = simulate(tiny_profile(), REPLICAS, conversations(2, 2, 100))
+    assert first.ttft_ms == pytest.approx(10.0 + 10.0 * 110 / 1000 + 5.0 + 0.01 * 110)
+    # Turn 2: 125 tokens, the first 115 (prompt and answer of turn 1) computed on this replica: it resumes at 112 (7 blocks).
+    assert second.ttft_ms == pytest.approx(10.0 + 10.0 * 125 / 1000 + 5.0 + 0.01 * (125 - 112))
+
+
+def test_a_later_turn_through_pd_resumes_on_both_workers_and_pulls_only_the_blocks_the_decode_worker_lacks():
+    _, second = simulate(tiny_profile(), SPLIT, conversations(2, 2, 100))
+    # The prefill worker computed turn 1's first 109 tokens: it resumes at 96 and computes 124 - 96 of turn 2's N-1 = 124.
+    prefill = 10.0 + 10.0 * 125 / 1000 + 5.0 + 0.01 * (124 - 96)
+    # The decode worker holds turn 1's 115 tokens up to 112: it pulls the block after them and the state.
+    moved = plan_transfer(SHAPE, 125, block_size=16, decode_cached_tokens=112).total_bytes
+    assert moved < plan_transfer(SHAPE, 125, block_size=16).total_bytes
+    assert second.ttft_ms == pytest.approx(prefill + 3.0 + (1.0 + moved / 1e6) + (5.0 + 0.01 * 1))
+
+
+def test_conversations_stay_on_their_workers_while_the_load_allows_as_the_routers_prefix_reuse():
+    loads = [simulate_module._Load() for _ in range(2)]
+    loads[0].legs, loads[1].legs = simulate_module.PREFIX_LOAD_SLACK + 1, 1
+    assert simulate_module._pick(loads, 0) == 0, "within the slack: the worker holding the conversation"
+    loads[0].legs += 1
+    assert simulate_module._pick(loads, 0) == 1, "beyond it: the least loaded"
+    assert simulate_module._pick(loads, None) == 1
+
+
+def test_multi_turn_caching_lowers_later_turns_ttft_and_every_turn_is_answered():
+    """Eight conversations of four turns on two replicas, against the same traffic as independent prompts of the same lengths."""
+    profile = tiny_profile()
+    turns = conversations(32, 4, 1000, user=100, output=50, concurrency=8)
+    outcomes = simulate(profile, REPLICAS, turns)
+    assert len(outcomes) == 32
+    later = [o.ttft_ms for o in outcomes if o.request.earlier_prompt]
+    alone = {r.prompt: simulate(profile, REPLICAS, fixed(r.prompt, 50, 1, concurrency=1))[0].ttft_ms for r in turns.requests()}
+    assert all(o.ttft_ms < alone[o.request.prompt] for o in outcomes if o.request.earlier_prompt), later

@@ -65,6 +65,14 @@ def add_size_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
     size.add_argument(
         "--num-prompts", type=at_least(1), metavar="K", help="requests to simulate (default: 5 x C, or 60 s x R; at least 200)"
     )
+    size.add_argument(
+        "--turns", type=at_least(1), default=1, metavar="T",
+        help="multi-turn chat: each of C conversations (--concurrency) sends T turns, each the conversation so far plus "
+        "--input-len tokens, routed by prefix_reuse and resumed from the prefix cache (default 1: independent requests)",
+    )  # fmt: skip
+    size.add_argument(
+        "--system-len", type=at_least(0), default=0, metavar="N", help="multi-turn: each conversation's system prompt (default 0)"
+    )
     size.add_argument("--slo-ttft-ms", type=positive, required=True, metavar="X", help="goodput: time to first token at most X ms")
     size.add_argument("--slo-tpot-ms", type=positive, required=True, metavar="Y", help="goodput: time per output token at most Y ms")
     size.add_argument("--seed", type=int, default=0, help="seed of the lengths and arrival times (default 0)")
@@ -89,16 +97,20 @@ def run_size(args: argparse.Namespace) -> int:
     from hybrid_pd.sizing.workload import Workload, default_prompts
 
     profile: Profile = args.profile
+    if args.turns > 1 and args.concurrency is None:
+        return _usage("--turns: multi-turn traffic is closed loop, give --concurrency (conversations at once), not --rate")
     workload = Workload(
-        args.input_len, args.output_len, args.num_prompts or default_prompts(args.concurrency, args.rate), args.concurrency, args.rate, args.seed
-    )
+        args.input_len, args.output_len, args.num_prompts or default_prompts(args.concurrency, args.rate), args.concurrency, args.rate,
+        args.seed, args.turns, args.system_len,
+    )  # fmt: skip
     slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms)
     try:
         check_fits(profile, workload)
         if args.plot is not None:
             require_matplotlib()
     except ValueError as exc:
-        return _usage(f"--input-len/--output-len: {exc}")
+        lengths = "--input-len/--output-len" + ("/--turns/--system-len" if args.turns > 1 else "")
+        return _usage(f"{lengths}: {exc}")
     except PlotUnavailable as exc:
         return _usage(str(exc))
     if args.emit_kustomize is not None and len(args.gpus) != 1:

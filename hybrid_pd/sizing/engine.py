@@ -14,9 +14,11 @@ computes its one remaining prompt token like any prompt. The step lasts :meth:`P
 prompt tokens; at its end, a sequence whose prompt is done samples a token (its first, unless it
 was preempted), a decoding one its next.
 
-Left out, because the measurements the simulator is checked against cannot tell them apart: async
-scheduling (vLLM 0.26 plans step k+1 while k runs), prefix caching (the traffic shares no
-prefix), the model length limit.
+A job may start with tokens already in the cache (``context``, a prefix-cache hit of a later turn:
+the simulation decides how many, :func:`hybrid_pd.sizing.simulate.reusable`); it computes only the
+rest. Left out, because the measurements the simulator is checked against cannot tell them apart:
+async scheduling (vLLM 0.26 plans step k+1 while k runs), the prefix cache's own memory (a hit's
+blocks count as the job's, and nothing is evicted), the model length limit.
 
 A run of pure decode steps in which nothing can change (every running sequence decodes, none
 needs memory the cache lacks, no pull starts) is planned at once, up to the first sequence that

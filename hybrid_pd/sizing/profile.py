@@ -109,12 +109,13 @@ class Profile(_Frozen):
         (x0, y0), (x1, y1) = self.prompt_latency_ms[i - 1], self.prompt_latency_ms[i]
         return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
 
-    def transfer_plan(self, prompt_tokens: int) -> TransferPlan:
-        """What one request of ``prompt_tokens`` moves from prefill to decode: its tokens and bytes (none: the decode worker computes it)."""
-        return _plan(self.shape, prompt_tokens, self.block_tokens)
+    def transfer_plan(self, prompt_tokens: int, decode_cached: int = 0) -> TransferPlan:
+        """What one request of ``prompt_tokens`` moves from prefill to decode (none: the decode worker computes it), less
+        the ``decode_cached`` tokens of whole blocks the decode worker's prefix cache holds."""
+        return _plan(self.shape, prompt_tokens, self.block_tokens, decode_cached)
 
-    def transfer_ms(self, prompt_tokens: int) -> float:
-        return self.transfer.ms(self.transfer_plan(prompt_tokens).total_bytes)
+    def transfer_ms(self, prompt_tokens: int, decode_cached: int = 0) -> float:
+        return self.transfer.ms(self.transfer_plan(prompt_tokens, decode_cached).total_bytes)
 
     def memory_layout(self) -> tuple[int, int]:
         """(bytes a sequence's state holds, bytes each ``block_tokens`` of its tokens hold) in vLLM's hybrid KV cache."""
@@ -143,6 +144,6 @@ class Profile(_Frozen):
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan(shape: ModelShape, prompt_tokens: int, block_tokens: int) -> TransferPlan:
+def _plan(shape: ModelShape, prompt_tokens: int, block_tokens: int, decode_cached: int = 0) -> TransferPlan:
     """The transfer plan at one prompt length (a request's bytes; one page's bytes): the same few lengths recur."""
-    return plan_transfer(shape, prompt_tokens, block_size=block_tokens)
+    return plan_transfer(shape, prompt_tokens, block_size=block_tokens, decode_cached_tokens=decode_cached)

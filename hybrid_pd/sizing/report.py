@@ -50,7 +50,8 @@ def to_json(profile: Profile, workload: Workload, slo: SLO, predictions: list[Pr
     return {
         "profile": profile.model_dump(mode="json"),
         "workload": {"input_len": str(workload.input_len), "output_len": str(workload.output_len), "num_prompts": workload.num_prompts,
-                     "concurrency": workload.concurrency, "rate": workload.rate, "seed": workload.seed},
+                     "concurrency": workload.concurrency, "rate": workload.rate, "seed": workload.seed, "turns": workload.turns,
+                     "system_len": workload.system_len},
         "slo_ms": {"ttft": slo.ttft_ms, "tpot": slo.tpot_ms},
         "predictions": [p.to_json() for p in predictions],
         "best": {str(g): p.layout for g, p in best(predictions).items()},

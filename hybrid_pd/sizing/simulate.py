@@ -15,6 +15,19 @@ flight, then the first worker):
 A prompt reaches its worker's queue :meth:`Profile.prompt_latency_ms_at` after it is sent. Each
 worker is an :class:`~hybrid_pd.sizing.engine.Engine`. Times are milliseconds; everything is
 deterministic for a workload's seed.
+
+Multi-turn traffic (:class:`~hybrid_pd.sizing.workload.Workload` with turns) is routed as the
+router's ``prefix_reuse`` policy routes it: a conversation's later turns go to the workers that
+served its earlier ones, unless such a worker has more than ``prefix_load_slack`` more legs in flight
+than the least loaded one (then the least loaded, which holds nothing of it). A worker that served
+the turn before resumes from its prefix cache, up to the last block boundary of what it computed
+of that turn (vLLM's hits land on whole blocks, :func:`reusable`): the whole prompt and answer on
+a replica or decode worker (vLLM 0.26's Mamba cache mode ``all`` on GPU keeps a state per block,
+decode steps included, as measured: replicas' hits ran past the earlier prompt), the prompt's
+first N-1 tokens on a prefill worker. Its prompt computes only the rest; a decode leg pulls only
+the blocks its cache lacks and the state (``hybrid-pd plan --decode-cached-tokens``). Not
+simulated: eviction from the prefix cache (it is taken to hold every conversation in flight) and
+a shared system prompt. Salted traffic (``Workload.salted``) reuses nothing and is routed by load.
 """
 
 from __future__ import annotations
@@ -28,6 +41,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from hybrid_pd.bench.stats import percentile
+from hybrid_pd.router.settings import RouterSettings
 from hybrid_pd.sizing.engine import Engine, Job, Step
 from hybrid_pd.sizing.layouts import Layout, layouts
 from hybrid_pd.sizing.profile import Profile
@@ -140,7 +154,7 @@ def _predict_slos(task: tuple[Profile, Layout, Workload, list[SLO]]) -> list[Pre
 
 def check_fits(profile: Profile, workload: Workload) -> None:
     """Raise ValueError when the workload's longest request needs more KV cache than a worker has: it would wait forever."""
-    longest = workload.input_len.high + workload.output_len.high
+    longest = workload.longest_request
     if profile.memory_bytes(longest) > profile.cache_bytes:
         raise ValueError(
             f"a request of {longest} tokens needs {profile.memory_bytes(longest):,} bytes of KV cache; the profile's workers have {profile.cache_bytes:,}"
@@ -170,6 +184,22 @@ def _least_outstanding(loads: list[_Load]) -> int:
     return min(range(len(loads)), key=lambda i: (loads[i].legs, loads[i].tokens, i))
 
 
+# The router's: how many more legs than the least loaded worker the one holding a conversation may have.
+PREFIX_LOAD_SLACK = RouterSettings.model_fields["prefix_load_slack"].default
+
+
+def _pick(loads: list[_Load], home: int | None) -> int:
+    """``prefix_reuse``: the worker that served the conversation's earlier turn while its load allows, else the least loaded."""
+    least = _least_outstanding(loads)
+    return home if home is not None and loads[home].legs <= loads[least].legs + PREFIX_LOAD_SLACK else least
+
+
+def reusable(earlier: int, tokens: int, block_tokens: int) -> int:
+    """Tokens a prefix cache resumes of a prompt computing ``tokens`` whose first ``earlier`` tokens it computed before:
+    whole blocks, short of the prompt's last token (vLLM computes at least one)."""
+    return min(earlier, tokens - 1) // block_tokens * block_tokens
+
+
 @dataclass
 class _Route:
     """Where the router sent a request: its decode worker and, split, its prefill worker and leg."""
@@ -177,6 +207,7 @@ class _Route:
     request: Request
     sent_ms: float
     decode: int
+    decode_cached: int = 0  # tokens the decode worker (or replica) resumes from its prefix cache
     prefill: int | None = None
     leg: Job | None = None
     first_ms: float = math.nan
@@ -196,10 +227,18 @@ class _Simulation:
         self.unsent: deque[Request] = deque()
         self.routes: dict[int, _Route] = {}
         self.outcomes: list[Outcome] = []
+        self.next_turn: dict[int, Request] = {}  # a turn's id -> the conversation's next turn, sent when it is done
+        self.homes: dict[int, tuple[int, int | None]] = {}  # conversation -> (decode worker, prefill worker) of its last turn
 
     def run(self) -> list[Outcome]:
         requests = self.workload.requests()
-        if self.workload.concurrency is not None:
+        if self.workload.turns > 1:
+            firsts = [r for r in requests if not r.earlier_prompt]
+            self.next_turn = {a.id: b for a, b in zip(requests, requests[1:]) if b.earlier_prompt}
+            for r in firsts[: self.workload.concurrency]:
+                self._at(0.0, self._send, r)
+            self.unsent.extend(firsts[self.workload.concurrency :])
+        elif self.workload.concurrency is not None:
             for r in requests[: self.workload.concurrency]:
                 self._at(0.0, self._send, r)
             self.unsent.extend(requests[self.workload.concurrency :])
@@ -219,28 +258,37 @@ class _Simulation:
     # --- the client and the router ---
 
     def _send(self, now: float, r: Request) -> None:
-        p = self.profile
+        p, bt = self.profile, self.profile.block_tokens
         arrive = now + p.prompt_latency_ms_at(r.prompt)
-        route = self.routes[r.id] = _Route(r, now, _least_outstanding(self.decode_load))
+        reuses = r.earlier_prompt and not self.workload.salted
+        home_decode, home_prefill = self.homes.get(r.conversation, (None, None)) if reuses else (None, None)
+        route = self.routes[r.id] = _Route(r, now, _pick(self.decode_load, home_decode))
+        if route.decode == home_decode:
+            route.decode_cached = reusable(r.earlier_prompt + r.earlier_output, r.prompt, bt)
         self.decode_load[route.decode].add(r.prompt, 1)
         if not self.split:
-            job = Job(r.id, r.prompt, 0, r.output, p.memory_bytes(r.prompt + r.output))
+            cached = route.decode_cached
+            job = Job(r.id, r.prompt - cached, cached, r.output, p.memory_bytes(r.prompt + r.output))
+            self.homes[r.conversation] = (route.decode, None)
             self._at(arrive, self._enter, (self.decode[route.decode], job))
             return
-        route.prefill = _least_outstanding(self.prefill_load)
+        route.prefill = _pick(self.prefill_load, home_prefill)
+        self.homes[r.conversation] = (route.decode, route.prefill)
         self.prefill_load[route.prefill].add(r.prompt, 1)
         computed = max(r.prompt - 1, 1)  # the prefill leg stops at token N-1 (vLLM computes at least one)
-        route.leg = Job(r.id, computed, 0, 0, p.memory_bytes(computed))
+        cached = reusable(r.earlier_prompt - 1, computed, bt) if route.prefill == home_prefill else 0
+        route.leg = Job(r.id, computed - cached, cached, 0, p.memory_bytes(computed))
         self._at(arrive, self._enter, (self.prefill[route.prefill], route.leg))
 
     def _prefill_answered(self, now: float, route: _Route) -> None:
         """The prefill leg is done: the router sends the decode leg to the worker it picked on arrival."""
         p, r = self.profile, route.request
         self.prefill_load[route.prefill].add(r.prompt, -1)
-        plan = p.transfer_plan(r.prompt)
-        job = Job(r.id, r.prompt - plan.transferred_tokens, plan.transferred_tokens, r.output, p.memory_bytes(r.prompt + r.output))
+        plan = p.transfer_plan(r.prompt, route.decode_cached)
+        held = plan.transferred_tokens + route.decode_cached  # pulled, and resumed from its own cache
+        job = Job(r.id, r.prompt - held, held, r.output, p.memory_bytes(r.prompt + r.output))
         if plan.total_bytes:
-            job.pull, job.pull_ms = "wanted", p.transfer_ms(r.prompt)
+            job.pull, job.pull_ms = "wanted", p.transfer_ms(r.prompt, route.decode_cached)
         else:  # nothing moves: the decode worker computes the prompt itself
             self._release(now, self.prefill[route.prefill], route.leg)
         self._at(now + p.handoff_ms, self._enter, (self.decode[route.decode], job))
@@ -250,7 +298,9 @@ class _Simulation:
         del self.routes[r.id]
         self.decode_load[route.decode].add(r.prompt, -1)
         self.outcomes.append(Outcome(r, route.sent_ms, route.first_ms, now))
-        if self.unsent:
+        if (following := self.next_turn.pop(r.id, None)) is not None:
+            self._send(now, following)
+        elif self.unsent:
             self._send(now, self.unsent.popleft())
 
     # --- the workers ---

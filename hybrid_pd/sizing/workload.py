@@ -5,6 +5,11 @@ random dataset draws them. The load is either closed-loop, ``concurrency`` reque
 flight from time 0 (``vllm bench serve --max-concurrency``: a request is sent when one
 finishes), or open-loop, Poisson arrivals at ``rate`` requests/s. The same seed gives the same
 requests and arrival times, so every layout is simulated against the same traffic.
+
+Multi-turn chat (``turns`` > 1, closed loop), as ``hybrid_pd.bench.multiturn`` sends it:
+``concurrency`` conversations at once, each a system prompt of its own (``system_len`` tokens)
+and ``turns`` requests, each turn sent when the last one's answer is done; a turn's prompt is the
+conversation so far (every earlier prompt and answer) plus a user message of ``input_len`` tokens.
 """
 
 from __future__ import annotations
@@ -49,12 +54,20 @@ class Lengths:
 
 @dataclass(frozen=True)
 class Request:
-    """One request: its prompt and output tokens, and when it is sent (None: when the closed loop has room)."""
+    """One request: its prompt and output tokens, and when it is sent (None: when the closed loop has room).
+
+    A turn of a conversation after its first also says which it is and what it shares with the one
+    before: ``earlier_prompt`` tokens of that turn's prompt, then its ``earlier_output`` answer tokens
+    (the whole of both begin this prompt).
+    """
 
     id: int
     prompt: int
     output: int
     sent_s: float | None
+    conversation: int | None = None
+    earlier_prompt: int = 0
+    earlier_output: int = 0
 
 
 @dataclass(frozen=True)
@@ -62,16 +75,31 @@ class Workload:
     input_len: Lengths
     output_len: Lengths
     num_prompts: int
-    concurrency: int | None = None  # closed loop: requests kept in flight
+    concurrency: int | None = None  # closed loop: requests kept in flight (conversations, with turns)
     rate: float | None = None  # open loop: Poisson arrivals per second
     seed: int = 0
+    turns: int = 1  # requests per conversation; 1: independent requests
+    system_len: int = 0  # multi-turn: each conversation's system prompt, before its first user message
+    salted: bool = False  # multi-turn: every request with a cache salt of its own (hybrid_pd.bench.multiturn --cache-salt): no hit
 
     def __post_init__(self) -> None:
         if (self.concurrency is None) == (self.rate is None):
             raise ValueError("give a concurrency or a rate, not both")
+        if self.turns > 1 and self.concurrency is None:
+            raise ValueError("multi-turn traffic is closed loop: give a concurrency (conversations at once)")
+        if self.turns < 1 or self.system_len < 0:
+            raise ValueError("turns must be 1 or more and the system prompt 0 tokens or more")
+
+    @property
+    def longest_request(self) -> int:
+        """The most tokens one request holds: its prompt and its answer."""
+        per_turn = self.input_len.high + self.output_len.high
+        return self.system_len + self.turns * per_turn
 
     def requests(self) -> list[Request]:
-        """The requests in the order they are sent; open-loop ones with their arrival times."""
+        """The requests in the order they are sent; open-loop ones with their arrival times; conversations turn by turn."""
+        if self.turns > 1:
+            return self._conversations()
         rng = random.Random(self.seed)
         out, t = [], 0.0
         for i in range(self.num_prompts):
@@ -82,6 +110,20 @@ class Workload:
             out.append(Request(i, self.input_len.draw(rng), self.output_len.draw(rng), sent))
         return out
 
+    def _conversations(self) -> list[Request]:
+        """``num_prompts`` requests as whole conversations (rounded up to ``turns``), each conversation's turns in order."""
+        rng = random.Random(self.seed)
+        out: list[Request] = []
+        for conversation in range(-(-self.num_prompts // self.turns)):
+            history, earlier_prompt, earlier_output = self.system_len, 0, 0
+            for _ in range(self.turns):
+                prompt, output = history + self.input_len.draw(rng), self.output_len.draw(rng)
+                out.append(Request(len(out), prompt, output, None, conversation, earlier_prompt, earlier_output))
+                history, earlier_prompt, earlier_output = prompt + output, prompt, output
+        return out
+
     @property
     def load(self) -> str:
+        if self.turns > 1:
+            return f"{self.concurrency} conversations of {self.turns} turns in flight, system prompts of {self.system_len}"
         return f"{self.concurrency} in flight" if self.concurrency is not None else f"{self.rate:g} req/s"
