@@ -269,16 +269,21 @@ class _Simulation:
         if not self.split:
             cached = route.decode_cached
             job = Job(r.id, r.prompt - cached, cached, r.output, p.memory_bytes(r.prompt + r.output))
-            self.homes[r.conversation] = (route.decode, None)
+            self._remember(r, route)
             self._at(arrive, self._enter, (self.decode[route.decode], job))
             return
         route.prefill = _pick(self.prefill_load, home_prefill)
-        self.homes[r.conversation] = (route.decode, route.prefill)
+        self._remember(r, route)
         self.prefill_load[route.prefill].add(r.prompt, 1)
         computed = max(r.prompt - 1, 1)  # the prefill leg stops at token N-1 (vLLM computes at least one)
         cached = reusable(r.earlier_prompt - 1, computed, bt) if route.prefill == home_prefill else 0
         route.leg = Job(r.id, computed - cached, cached, 0, p.memory_bytes(computed))
         self._at(arrive, self._enter, (self.prefill[route.prefill], route.leg))
+
+    def _remember(self, r: Request, route: _Route) -> None:
+        """Where a conversation's turn went: its next turn finds its prefix there."""
+        if r.conversation is not None:
+            self.homes[r.conversation] = (route.decode, route.prefill)
 
     def _prefill_answered(self, now: float, route: _Route) -> None:
         """The prefill leg is done: the router sends the decode leg to the worker it picked on arrival."""
