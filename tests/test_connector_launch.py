@@ -98,6 +98,11 @@ def test_cpu_prefix_caching_is_decided_in_one_place_by_the_kind_of_state_proven(
     assert (launch.prefix_caching_args(cpu, mamba2), launch.prefix_caching_args(cpu, mamba1)) == (["--enable-prefix-caching"], ["--no-enable-prefix-caching"])
     drafting = _spec("decode", speculative_config='{"method": "mtp", "num_speculative_tokens": 2}')
     assert launch.prefix_caching_args(drafting, gdn) == ["--no-enable-prefix-caching"]
+    # The worker logs the default and why (Launch.reasons): a user whose cache is off reads the reason.
+    (said,) = launch.prefix_caching_reason(drafting, gdn)
+    assert said.startswith("prefix caching off by default: speculative decoding")
+    assert launch.prefix_caching_reason(cpu, mamba2)[0].startswith("prefix caching on by default: proven for NemotronH")
+    assert launch.prefix_caching_reason(gpu, mamba2) == ()
     assert launch.prefix_caching_args(gpu, mamba2) == launch.prefix_caching_args(gpu, mamba1) == []
 
 

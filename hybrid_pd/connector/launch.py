@@ -89,10 +89,11 @@ class WorkerSpec:
 
 @dataclass(frozen=True)
 class Launch:
-    """A ready-to-run vLLM server: argv and the environment variables to add."""
+    """A ready-to-run vLLM server: argv, the environment variables to add, and why its defaults are what they are (logged)."""
 
     argv: list[str]
     env: dict[str, str]
+    reasons: tuple[str, ...] = ()
 
 
 def kv_role(role: Role) -> str | None:
@@ -284,8 +285,16 @@ def prefix_caching_args(spec: WorkerSpec, shape: ModelShape | None) -> list[str]
     """
     if spec.device != "cpu":
         return []
-    on, _why = cpu_prefix_caching(shape, speculates=spec.speculative_config is not None)
+    on, _ = cpu_prefix_caching(shape, speculates=spec.speculative_config is not None)
     return ["--enable-prefix-caching"] if on else ["--no-enable-prefix-caching"]
+
+
+def prefix_caching_reason(spec: WorkerSpec, shape: ModelShape | None) -> tuple[str, ...]:
+    """CPU: the default :func:`prefix_caching_args` chose and why, for the worker's log (a ``--vllm-arg`` may override it)."""
+    if spec.device != "cpu":
+        return ()
+    on, why = cpu_prefix_caching(shape, speculates=spec.speculative_config is not None)
+    return (f"prefix caching {'on' if on else 'off'} by default: {why}",)
 
 
 def engine_fix_env(spec: WorkerSpec, shape: ModelShape | None) -> dict[str, str]:
@@ -431,4 +440,4 @@ def build_launch(spec: WorkerSpec) -> Launch:
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
     }
-    return Launch(argv=argv, env=env)
+    return Launch(argv=argv, env=env, reasons=prefix_caching_reason(spec, shape))

@@ -136,6 +136,8 @@ def run_worker(role: Role, settings: WorkerSettings) -> int:
     launch = build_launch(spec)
     log.info("starting vLLM %s", kv(role=role, port=settings.port, side_channel=settings.side_channel_port))
     log.info("vLLM command: %s", " ".join(launch.argv))
+    for reason in launch.reasons:
+        log.info("%s", reason)
     proc = spawn(launch.argv, launch.env, log=subprocess.PIPE)
     relay = OutputRelay(proc.stdout)
 
