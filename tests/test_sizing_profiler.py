@@ -86,6 +86,35 @@ def test_only_the_tokens_while_every_request_decodes_count_and_a_burst_keeps_the
     assert full_batch_step([a, b, c]) == (pytest.approx((22 + 6 + 10) / 11), pytest.approx(190 * 3 / 11))
     late = _result(0.0, 0.485, [0.001, 0.001])  # its first token when A is almost done: 3 tokens inside, too few for 3 requests
     assert full_batch_step([a, b, late]) is None
+def test_a_batch_that_did_not_decode_together_is_sent_again_with_new_prompts_and_the_error_stands_after_every_try(monkeypatch):
+    import asyncio
+
+    from hybrid_pd.sizing import measure
+
+    a = _result(0.0, 0.10, [0.05, 0.05, 0.09, 0.05, 0.05, 0.05, 0.05])
+    b = _result(0.0, 0.30, [0.06, 0.06, 0.06, 0.06])
+    late = _result(0.0, 0.485, [0.001, 0.001])
+    sent: list[list[dict]] = []
+
+    def batches(*answers):
+        async def together(pool, url, bodies):
+            sent.append(list(bodies))
+            return answers[len(sent) - 1]
+
+        return together
+
+    server = measure.Server("http://127.0.0.1:9", "m", 500)
+    monkeypatch.setattr(measure, "_together", batches([a, late], [a, b]))
+    point = asyncio.run(measure.decode_point(None, server, 2, 8, 8, seed=1))
+    assert point.step_ms == pytest.approx(190 * 2 / 7) and len(sent) == 2
+    assert sent[0][0]["prompt"] != sent[1][0]["prompt"], "new prompts: none of the first try's in a prefix cache"
+    sent.clear()
+    monkeypatch.setattr(measure, "_together", batches(*[[a, late]] * measure.DECODE_TRIES))
+    with pytest.raises(measure.MeasureError, match=f"{measure.DECODE_TRIES} times"):
+        asyncio.run(measure.decode_point(None, server, 2, 8, 8, seed=1))
+    assert len(sent) == measure.DECODE_TRIES
+
+
 def test_the_plan_stays_within_the_server_s_sequences_cache_and_model_length():
     server = Profile.load(FITTED)  # Nemotron-H-8B, 8 GiB of KV cache: 72 sequences of ~350 tokens, 50 of ~3100
     plan = FULL.shaped(server, max_model_len=4096)

@@ -84,7 +84,7 @@ def _fitting(server: Profile, tokens: int) -> int:
 
 
 FULL = Plan((128, 512, 1024, 2048, 4096, 8192), 3, 2048, 8, (256, 3000), (1, 8, 32, 64, 128), 96)
-QUICK = Plan((32, 256, 1024), 2, 256, 2, (32, 512), (1, 4, 8), 32, warmup=1)
+QUICK = Plan((32, 256, 1024), 2, 256, 2, (32, 512), (1, 4, 8), 96, warmup=1)
 
 
 @dataclass(frozen=True)
