@@ -24,6 +24,7 @@ from subprocess import Popen
 
 from hybrid_pd.common.logs import kv
 from hybrid_pd.common.processes import free_port, spawn, stop_group, wait_http_ok
+from hybrid_pd.router.health import available_urls, listed_urls
 
 __all__ = ["Service", "Stack", "StackConfig", "StackError", "watch"]
 
@@ -227,11 +228,10 @@ class Stack:
                 deadline = time.monotonic() + self.config.ready_timeout_s
             with urllib.request.urlopen(router.health, timeout=5) as resp:
                 health = json.load(resp)
-            if {url for role in _ROUTED for url in health.get(role, [])} != ours:
+            if listed_urls(health) != ours:
                 self.stop()
                 raise StackError(f"{router.url} is another router: {health}")
-            available = health.get("available", {})
-            if {url for role in _ROUTED for url in available.get(role, [])} == ours:
+            if available_urls(health) == ours:
                 return
             if time.monotonic() > deadline:
                 self.stop()

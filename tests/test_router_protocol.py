@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from hybrid_pd.connector.trace.timeline import REQUEST_ID_PARAM
+from hybrid_pd.router.health import available_urls, listed_urls
 from tests.router_support import DECODE, KV, PREFILL, Workers, asgi_client, router_app
 
 
@@ -302,6 +303,8 @@ async def test_health_is_503_until_a_decode_worker_is_available_and_requests_rec
     r = await client.get("/health")
     assert r.status_code == 503
     assert r.json()["available"] == {"prefill": [PREFILL], "decode": [], "flex": []}
+    # What callers waiting for every worker read (hybrid_pd.router.health): listed, but not all routed to.
+    assert (listed_urls(r.json()), available_urls(r.json())) == ({PREFILL, DECODE}, {PREFILL})
     # The worker answers its health check again: a request re-checks at once instead of answering 503.
     r = await client.post("/v1/completions", json={"model": "m", "prompt": "hi"})
     assert r.status_code == 200 and decode.available

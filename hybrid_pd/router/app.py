@@ -38,12 +38,13 @@ from hybrid_pd.router.admin import admin_routes
 from hybrid_pd.router.autoscale import register_signals
 from hybrid_pd.router.aux_endpoints import AUX_PATHS, forward
 from hybrid_pd.router.disconnect import cancel_on_disconnect
+from hybrid_pd.router.health import health_body
 from hybrid_pd.router.jsoncodec import dumps, loads_strict
 from hybrid_pd.router.metrics import GENERATION, Route, RouterMetrics
 from hybrid_pd.router.pairing import Pairing
 from hybrid_pd.router.phase_split import PhaseSplit
 from hybrid_pd.router.policies import PolicyContext, make_policy
-from hybrid_pd.router.registry import ROLES, Registry, Worker
+from hybrid_pd.router.registry import Registry, Worker
 from hybrid_pd.router.relay import answer_whole, relay_answers
 from hybrid_pd.router.route import decode_chunks, route_request
 from hybrid_pd.router.settings import RouterSettings
@@ -142,12 +143,7 @@ def create_app(settings: RouterSettings, transport: httpx.AsyncBaseTransport | N
     async def health() -> JSONResponse:
         """200 when a decode worker can take requests (prefill workers are optional: local prefill), else 503."""
         ready = pairing.decode_available()
-        body = {
-            "status": "ok" if ready else "no decode worker available",
-            **{role: [w.url for w in registry.role(role)] for role in ROLES},
-            "available": {role: [w.url for w in registry.role(role) if w.available] for role in ROLES},
-        }
-        return JSONResponse(body, status_code=200 if ready else 503)
+        return JSONResponse(health_body(registry, ready), status_code=200 if ready else 503)
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import httpx
 import pytest
 
 from hybrid_pd.common.processes import free_port
+from hybrid_pd.router.health import available_urls, listed_urls
 from tests.compose.sandbox_support import Compose, Engine, Rlimits, make_inputs, timed
 
 log = logging.getLogger("compose-ci")
@@ -72,5 +74,16 @@ def stack(built: Compose, times: dict[str, float]) -> Iterator[Compose]:
 
 @pytest.fixture(scope="session")
 def router(stack: Compose) -> Iterator[httpx.Client]:
+    """The router's published port, once the router routes to both workers.
+
+    Healthy means a decode worker is available; until the router's own health check has
+    passed the prefill worker too, a request is prefilled where it is decoded, and no state
+    crosses NIXL (hybrid_pd/router/health.py).
+    """
     with httpx.Client(base_url=f"http://127.0.0.1:{stack.env['ROUTER_PORT']}", timeout=120) as client:
+        deadline, body = time.monotonic() + 60, client.get("/health").json()
+        while len(listed_urls(body)) != 2 or available_urls(body) != listed_urls(body):
+            assert time.monotonic() < deadline, f"the router does not route to both workers: {body}"
+            time.sleep(0.5)
+            body = client.get("/health").json()
         yield client

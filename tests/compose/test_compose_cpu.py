@@ -50,6 +50,23 @@ def nixl_reads(stack: Compose) -> float:
     return metric_sum(in_container(stack, "decode-cpu", "/metrics"), "vllm:nixl_xfer_time_seconds_count")
 
 
+def why_not_pulled(stack: Compose, router: httpx.Client) -> str:
+    """What a missing pull leaves behind: the router's reasons for local prefills, vLLM's NIXL failures, the decode worker's log."""
+    decode = in_container(stack, "decode-cpu", "/metrics")
+    routed = router.get("/metrics").text
+    counters = {
+        name: metric_sum(text, name)
+        for text, names in (
+            (routed, ("hybrid_pd_fallbacks_total", "hybrid_pd_disaggregated_total")),
+            (decode, ("vllm:nixl_num_failed_transfers_total", "vllm:nixl_num_kv_expired_reqs_total")),
+        )
+        for name in names
+    }
+    fallbacks = [line for line in routed.splitlines() if line.startswith("hybrid_pd_fallbacks_total{")]
+    log = stack("logs", "--tail=60", "decode-cpu")
+    return f"{counters}\n{fallbacks}\ndecode-cpu's last lines:\n{log}"
+
+
 def streamed_chat(router: httpx.Client, body: dict) -> str:
     text = []
     with router.stream("POST", "/v1/chat/completions", json=body | {"stream": True}) as response:
@@ -88,7 +105,7 @@ def test_completion_and_chat_cross_nixl_and_equal_colocated(stack: Compose, rout
     assert completion.status_code == 200, completion.text
     chat = streamed_chat(router, CHAT)
 
-    assert nixl_reads(stack) >= reads_before + 2, "the decode worker did not read the state over NIXL"
+    assert nixl_reads(stack) >= reads_before + 2, f"the decode worker did not read the state over NIXL: {why_not_pulled(stack, router)}"
     router_metrics = router.get("/metrics").text
     assert metric_sum(router_metrics, "hybrid_pd_fallbacks_total") == 0
     assert metric_sum(router_metrics, "hybrid_pd_requests_total") >= 2

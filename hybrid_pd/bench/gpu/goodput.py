@@ -55,6 +55,7 @@ from hybrid_pd.bench.plot import PlotUnavailable, require_matplotlib
 from hybrid_pd.bench.stats import percentile
 from hybrid_pd.common.processes import free_port, spawn, stop_group, wait_http_ok
 from hybrid_pd.common.prom import metric_sum
+from hybrid_pd.router.health import available_urls
 
 NAME = "hybrid-gpu"
 # server -> (role, GPU) on two GPUs; on CPU one of each (the GPU index is ignored).
@@ -254,8 +255,7 @@ def _wait_routed(router: str, workers: set[str], alive: Callable[[], bool], time
     deadline = time.monotonic() + timeout_s
     while alive() and time.monotonic() < deadline:
         with contextlib.suppress(httpx.HTTPError, ValueError):
-            available = httpx.get(router + "/health", timeout=5).json().get("available", {})
-            if workers <= {url for urls in available.values() for url in urls}:
+            if workers <= available_urls(httpx.get(router + "/health", timeout=5).json()):
                 return True
         time.sleep(0.5)
     return False
