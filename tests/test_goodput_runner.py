@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from hybrid_pd.bench.gpu.goodput import SYSTEMS, Workload, _server_flags, parse_args, summarize, table
+from hybrid_pd.sizing.layouts import RUNNER_SYSTEMS
 
 
 def _result(ttfts, latencies, output_lens, errors=None, duration=2.0):
@@ -59,3 +60,9 @@ def test_the_detached_server_process_gets_the_runs_systems_and_extra_flags(tmp_p
     again = parse_args(["serve", *_server_flags(args)])
     assert again.systems == ["pd"] and again.slo == [(400.0, 30.0)]
     assert again.server_arg == ["--vllm-arg=--enable-prefix-caching"] and again.router_arg == ["--decode-policy=prefix_reuse"]
+
+
+def test_the_simulator_lays_out_each_runner_system_on_as_many_gpus():
+    """The sizing checks read the runner's rows by system name (hybrid_pd.sizing.layouts.RUNNER_SYSTEMS)."""
+    assert set(RUNNER_SYSTEMS) == set(SYSTEMS)
+    assert {name: layout.gpus for name, layout in RUNNER_SYSTEMS.items()} == {name: len(s.legs) for name, s in SYSTEMS.items()}

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["Layout", "layouts"]
+__all__ = ["RUNNER_SYSTEMS", "Layout", "layouts"]
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,10 @@ class Layout:
     @property
     def name(self) -> str:
         return f"{self.prefill}P{self.decode}D" if self.kind == "pd" else f"{self.decode} {self.kind}"
+
+
+# The two-GPU runners' systems (hybrid_pd.bench.gpu.goodput.SYSTEMS), by their names, as the simulator lays them out.
+RUNNER_SYSTEMS = {"replicas": Layout("replicas", 0, 2), "adaptive": Layout("flex", 0, 2), "pd": Layout("pd", 1, 1)}
 
 
 def layouts(gpus: int) -> list[Layout]:

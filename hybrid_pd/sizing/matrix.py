@@ -44,7 +44,7 @@ from typing import Any
 
 from hybrid_pd.connector.plan import model_shape
 from hybrid_pd.sizing.fitting import fit_decode_step, match_throughput, prompt_latency_residue
-from hybrid_pd.sizing.layouts import Layout
+from hybrid_pd.sizing.layouts import RUNNER_SYSTEMS
 from hybrid_pd.sizing.profile import DecodeStep, Profile, Transfer
 from hybrid_pd.sizing.simulate import SLO
 from hybrid_pd.sizing.workload import Lengths, Workload
@@ -58,7 +58,8 @@ SWEEP = RESULTS / "2026-11-23-h200x2-real-scale-sweep.json"
 BLOCK_TOKENS = 1040  # vLLM's attention block for Nemotron-H-8B (docs/models.md, "Real scale")
 TOKEN_BUDGET = 8192  # vLLM's default max_num_batched_tokens for its API server on an H100
 FLOOR_CASE, FLOOR_VARIANT = "gpu1-pulls-from-gpu0/zero-copy", "one-descriptor"
-SYSTEMS = {"replicas": Layout("replicas", 0, 2), "pd": Layout("pd", 1, 1)}
+# The matrix rows the profile is fitted to and checked against: the replicas and the fixed split.
+SYSTEMS = {name: RUNNER_SYSTEMS[name] for name in ("replicas", "pd")}
 
 Key = tuple[str, str, int]  # system, workload, requests in flight (every run of it)
 WORKLOADS = ("200/1000", "1000/64", "1000/512", "3000/128")

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from hybrid_pd.bench.stats import percentile
-from hybrid_pd.sizing.layouts import Layout
+from hybrid_pd.sizing.layouts import RUNNER_SYSTEMS, Layout
 from hybrid_pd.sizing.matrix import RESULTS
 from hybrid_pd.sizing.profile import Profile
 from hybrid_pd.sizing.simulate import SLO, Outcome, simulate, summarize
@@ -28,7 +28,6 @@ __all__ = ["compare", "main"]
 RUN = RESULTS / "2026-11-26-h200x2-multiturn" / "summary.json"
 PROFILE = RESULTS / "2026-11-25-h100x2-sizing" / "profile.json"
 CACHING_BLOCK_TOKENS = 1152  # the attention block Nemotron-H-8B's engines logged with prefix caching on (vLLM 0.26)
-SYSTEMS = {"replicas": Layout("replicas", 0, 2), "adaptive": Layout("flex", 0, 2), "pd": Layout("pd", 1, 1)}
 SLO_PAIR = "500/20"
 FIGURES = ("throughput_req_s", "goodput_per_gpu", "ttft_first_turn_p50_ms", "ttft_later_turns_p50_ms", "tpot_mean_ms")
 
@@ -65,7 +64,7 @@ def compare(profile: Profile, run: dict[str, Any]) -> list[dict[str, Any]]:
     """Every row of ``run``: measured, predicted and (predicted - measured) / measured per figure."""
     rows = []
     for row in run["rows"]:
-        layout = SYSTEMS[row["system"]]
+        layout = RUNNER_SYSTEMS[row["system"]]
         predicted = _figures(simulate(profile, layout, _workload(row)), layout)
         measured = _measured(row["summary"])
         error = {k: (predicted[k] - measured[k]) / measured[k] if measured[k] else None for k in FIGURES}
