@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from hybrid_pd.sizing.profile import Profile
+
 ROOT = Path(__file__).resolve().parent.parent
 # Far more than a refusal takes (about a second); a case that starts something runs into it.
 TIMEOUT_S = 60
@@ -55,6 +57,7 @@ class Paths:
     not_json: Path
     not_hybrid: Path
     logs: Path
+    tp2_profile: Path
 
 
 def cases(p: Paths, taken_port: int) -> dict[str, Case]:
@@ -147,6 +150,8 @@ def cases(p: Paths, taken_port: int) -> dict[str, Case]:
         "size-slo-zero": Case(size(slo_tpot_ms="0"), ("--slo-tpot-ms", "more than 0")),
         "size-request-too-long": Case(size(input_len="600000"), ("--input-len", "KV cache")),
         "size-json-is-a-folder": Case([*size(), "--json", str(p.empty_dir)], ("--json", "folder")),
+        "size-two-profiles-of-one-size": Case([*size(), "--profile", str(PROFILE)], ("--profile", "two profiles of tensor_parallel_size 1")),
+        "size-gpus-without-a-layout": Case(size(profile=str(p.tp2_profile), gpus="2,3"), ("--gpus", "3 GPUs hold no layout", "[2]")),
     }
 
 
@@ -184,7 +189,8 @@ def _run(case: Case) -> Result:
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory: pytest.TempPathFactory) -> Paths:
     root = tmp_path_factory.mktemp("usage")
-    p = Paths(root / "a-file", root / "empty", root / "not-json", root / "llama", root / "logs")
+    p = Paths(root / "a-file", root / "empty", root / "not-json", root / "llama", root / "logs", root / "tp2-profile.json")
+    Profile.load(PROFILE).model_copy(update={"tensor_parallel_size": 2}).save(p.tp2_profile)
     p.file.write_text("x")
     p.empty_dir.mkdir()
     p.not_json.mkdir()
@@ -205,7 +211,7 @@ def results(paths: Paths) -> dict[str, tuple[Case, Result]]:
     return {name: (table[name], done[name]) for name in table}
 
 
-CASE_NAMES = list(cases(Paths(*[Path("/")] * 5), 1))
+CASE_NAMES = list(cases(Paths(*[Path("/")] * 6), 1))
 
 
 @pytest.mark.parametrize("name", CASE_NAMES)

@@ -19,8 +19,20 @@ def test_size_lays_out_every_count_and_writes_json_and_a_plot(tmp_path, capsys):
         (1, "1 replicas"), (1, "1 flex"), (3, "3 replicas"), (3, "3 flex"), (3, "1P2D"), (3, "2P1D")
     ]
     assert out["workload"] == {"input_len": "100-300", "output_len": "20", "num_prompts": 200, "concurrency": 8, "rate": None, "seed": 0, "turns": 1, "system_len": 0}
-    assert out["profile"] == json.loads((tmp_path / "profile.json").read_text()) and set(out["best"]) == {"1", "3"}
+    assert out["profiles"] == [json.loads((tmp_path / "profile.json").read_text())] and set(out["best"]) == {"1", "3"}
     assert all(p["completed"] == 200 and 0 <= p["goodput_rps"] <= p["throughput_rps"] for p in out["predictions"])
     table = capsys.readouterr().out
     assert "1P2D" in table and "best per GPU count: 1: " in table
     assert (tmp_path / "out" / "size.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_size_with_a_profile_per_worker_size_lays_out_both_sizes_and_mixes_them_in_splits(tmp_path, capsys):
+    tiny_profile().save(tmp_path / "tp1.json")
+    tiny_profile(tensor_parallel_size=2, cache_bytes=128 << 20).save(tmp_path / "tp2.json")
+    argv = ["size", "--profile", str(tmp_path / "tp1.json"), "--profile", str(tmp_path / "tp2.json"), "--gpus", "3", "--input-len", "100",
+            "--output-len", "20", "--concurrency", "8", "--slo-ttft-ms", "100", "--slo-tpot-ms", "8", "--json", str(tmp_path / "size.json")]  # fmt: skip
+    assert main(argv) == 0
+    out = json.loads((tmp_path / "size.json").read_text())
+    assert [p["layout"] for p in out["predictions"]] == ["3 replicas", "3 flex", "1P2D", "1P(TP1)1D(TP2)", "2P1D", "1P(TP2)1D(TP1)"]
+    assert [p["tensor_parallel_size"] for p in out["profiles"]] == [1, 2]
+    assert "1P(TP2)1D(TP1)" in capsys.readouterr().out

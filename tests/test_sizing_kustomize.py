@@ -13,13 +13,15 @@ import yaml
 
 from hybrid_pd.cli import build_parser, main
 from hybrid_pd.sizing.kustomize import DEFAULT_BASE, counts, write_overlay
+from hybrid_pd.sizing.layouts import Layout
 from hybrid_pd.sizing.simulate import Prediction
 from tests.sizing_support import tiny_profile
 
 
-def _prediction(kind: str, prefill: int, decode: int) -> Prediction:
-    name = f"{prefill}P{decode}D" if kind == "pd" else f"{decode} {kind}"
-    return Prediction(name, kind, prefill, decode, prefill + decode, 100, 10.0, 10.0, 8.0, 8.0 / (prefill + decode), 0.8, 100.0, 110.0, 9.0, 9.5)
+def _prediction(kind: str, prefill: int, decode: int, prefill_tp: int = 1, decode_tp: int = 1) -> Prediction:
+    layout = Layout(kind, prefill, decode, prefill_tp, decode_tp)  # type: ignore[arg-type]
+    return Prediction(layout.name, kind, prefill, decode, layout.gpus, 100, 10.0, 10.0, 8.0, 8.0 / layout.gpus, 0.8, 100.0, 110.0, 9.0, 9.5,
+                      prefill_tp, decode_tp)  # fmt: skip
 
 
 def _kubectl_ok() -> bool:
@@ -44,9 +46,16 @@ def rendered(directory: Path) -> dict[str, dict]:
         d["spec"]["replicas"] = next(r["count"] for r in overlay["replicas"] if r["name"] == name)
         docs[name] = d
     for patch in overlay.get("patches", []):
-        (op,) = yaml.safe_load(patch["patch"])
-        assert op["op"] == "replace" and op["path"] == "/spec/template/spec/containers/0/command"
-        docs[patch["target"]["name"]]["spec"]["template"]["spec"]["containers"][0]["command"] = op["value"]
+        for op in yaml.safe_load(patch["patch"]):  # JSON patch: "replace" a key, "add" to the end of a list ("-")
+            *parents, last = [part.replace("~1", "/") for part in op["path"].split("/")[1:]]
+            node = docs[patch["target"]["name"]]
+            for part in parents:
+                node = node[int(part)] if isinstance(node, list) else node[part]
+            if op["op"] == "add" and last == "-":
+                node.append(op["value"])
+            else:
+                assert op["op"] == "replace" and last in node, op
+                node[last] = op["value"]
     return docs
 
 
@@ -72,6 +81,24 @@ def test_whole_request_layouts_run_flexible_workers_as_the_decode_deployment(tmp
     container = deployments["decode"]["spec"]["template"]["spec"]["containers"][0]
     assert _parses(container) == "flex" and "--port=8200" in container["args"]
     assert counts(_prediction(kind, 0, 16)) == {"prefill": 0, "decode": 0, "flex": 16}
+
+
+def _tp(deployment: dict) -> tuple[int, str]:
+    """(the worker's tensor-parallel size as its CLI parses it, the GPUs its pod asks for)."""
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    command = container["command"] + [a.replace("$(POD_IP)", "10.244.1.7") for a in container["args"]]
+    return build_parser().parse_args(command[1:]).tensor_parallel_size, container["resources"]["limits"]["nvidia.com/gpu"]
+
+
+def test_workers_of_several_gpus_ask_for_them_and_run_tensor_parallel(tmp_path):
+    write_overlay(_prediction("pd", 1, 2, prefill_tp=2, decode_tp=1), DEFAULT_BASE, tmp_path / "pd", "a test")
+    deployments = rendered(tmp_path / "pd")
+    assert (_tp(deployments["prefill"]), _tp(deployments["decode"])) == ((2, "2"), (1, "1"))
+    assert (deployments["prefill"]["spec"]["replicas"], deployments["decode"]["spec"]["replicas"]) == (1, 2)
+    write_overlay(_prediction("flex", 0, 3, decode_tp=4), DEFAULT_BASE, tmp_path / "flex", "a test")
+    deployments = rendered(tmp_path / "flex")
+    assert _tp(deployments["decode"]) == (4, "4") and _parses(deployments["decode"]["spec"]["template"]["spec"]["containers"][0]) == "flex"
+    assert "1P(TP2)2D(TP1) on 4 GPUs" in (tmp_path / "pd" / "kustomization.yaml").read_text()
 
 
 def test_size_writes_the_overlay_of_the_best_layout(tmp_path, capsys):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hybrid_pd.sizing.profile import Profile, ProfileError
+from hybrid_pd.sizing.profile import Profile, ProfileError, profile_set
 from tests.sizing_support import PAGE, tiny_profile
 
 FITTED = Path(__file__).resolve().parent.parent / "hybrid_pd" / "bench" / "results" / "2026-11-25-h100x2-sizing" / "profile.json"
@@ -59,3 +59,20 @@ def test_a_file_that_is_not_json_is_refused(tmp_path):
     (tmp_path / "p.json").write_text("{nope")
     with pytest.raises(ProfileError, match="cannot read"):
         Profile.load(tmp_path / "p.json")
+
+
+def test_profiles_of_one_model_at_several_sizes_are_keyed_by_size_and_others_refused():
+    one, two = tiny_profile(), tiny_profile(tensor_parallel_size=2, cache_bytes=128 << 20)
+    assert profile_set([one, two]) == {1: one, 2: two}
+    with pytest.raises(ProfileError, match="two profiles of tensor_parallel_size 1"):
+        profile_set([one, tiny_profile(source="again")])
+    with pytest.raises(ProfileError, match="differ in the model's shape or block_tokens"):
+        profile_set([one, tiny_profile(tensor_parallel_size=2, block_tokens=32)])
+
+
+def test_a_worker_of_two_gpus_holds_both_ranks_pages_replicated_heads_included():
+    """One KV head and 16 state groups over 2 ranks: each rank keeps its own copy of what it cannot split (hybrid-pd plan's count)."""
+    one, two = tiny_profile().memory_layout(), tiny_profile(tensor_parallel_size=2).memory_layout()
+    assert two[0] > one[0] and two[1] > one[1]
+    assert tiny_profile(tensor_parallel_size=2).transfer_plan(100).decode_rank_sources == {0: [0], 1: [1]}
+    assert tiny_profile(tensor_parallel_size=2).transfer_plan(100, prefill_tp=1).decode_rank_sources == {0: [0], 1: [0]}

@@ -96,6 +96,7 @@ def test_profile_sends_its_plan_reads_the_server_and_survives_an_unmeasurable_tr
 
     profile = Profile.load(tmp_path / "p.json")
     assert profile.cache_bytes == CACHE_BYTES and profile.block_tokens == 128 and profile.model == f"tiny ({model}), vLLM stand-in"
+    assert profile.tensor_parallel_size == 1
     assert (profile.max_num_seqs, profile.max_num_batched_tokens) == (8, 2048)
     assert [n for n, _ in profile.prompt_latency_ms] == list(QUICK.prompt_lens)
     base = Profile.load(BASE_PROFILE)
@@ -111,3 +112,16 @@ def test_profile_sends_its_plan_reads_the_server_and_survives_an_unmeasurable_tr
     want = [(n, QUICK.output_len_for(rows, n, profile)) for n, rows in QUICK.shaped(profile, 2048).decode_batches(profile) for _ in range(rows)]
     assert sorted(decoded) == sorted(want)
     assert [(len(b["prompt"]), b["max_tokens"]) for b in router_seen] == [(QUICK.prompt_lens[0], 2)] * QUICK.repeats  # gave up at the first length
+
+
+def test_a_profile_of_a_tensor_parallel_server_holds_the_kv_cache_of_all_its_gpus(tmp_path, capsys):
+    """vLLM's --kv-cache-memory-bytes is per GPU; the profile is the worker's (hybrid_pd.sizing.profile)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text((BASE_PROFILE.parent.parent.parent.parent / "models" / "hybrid-pd-tiny" / "config.json").read_text())
+    with serving(stand_in(str(model), [])) as url:
+        argv = ["profile", "--quick", "--url", url, "--out", str(tmp_path / "p.json"), "--max-num-seqs", "8",
+                "--max-num-batched-tokens", "2048", "--block-tokens", "128", "--tensor-parallel-size", "2"]  # fmt: skip
+        assert main(argv) == 0, capsys.readouterr().err
+    profile = Profile.load(tmp_path / "p.json")
+    assert (profile.tensor_parallel_size, profile.cache_bytes) == (2, 2 * CACHE_BYTES)

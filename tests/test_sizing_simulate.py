@@ -10,7 +10,7 @@ import hybrid_pd.sizing.simulate as simulate_module
 from hybrid_pd.connector.plan import plan_transfer
 from hybrid_pd.sizing.engine import Engine, Job
 from hybrid_pd.sizing.layouts import Layout, layouts
-from hybrid_pd.sizing.simulate import SLO, check_fits, predict, simulate, summarize
+from hybrid_pd.sizing.simulate import SLO, check_fits, predict, simulate, size, summarize
 from hybrid_pd.sizing.workload import Lengths, Workload
 from tests.sizing_support import PAGE, SHAPE, tiny_profile
 
@@ -129,6 +129,41 @@ def test_a_request_larger_than_the_cache_is_refused_before_it_would_wait_forever
 def test_layouts_are_replicas_flexible_workers_and_every_split():
     assert [layout.name for layout in layouts(1)] == ["1 replicas", "1 flex"]
     assert [layout.name for layout in layouts(4)] == ["4 replicas", "4 flex", "1P3D", "2P2D", "3P1D"]
+
+
+def test_layouts_with_workers_of_two_sizes_use_every_gpu_and_pair_only_sizes_that_divide():
+    assert [layout.name for layout in layouts(4, (1, 2))] == [
+        "4 replicas", "2 replicas (TP2)", "4 flex", "2 flex (TP2)",
+        "1P3D", "2P2D", "2P(TP1)1D(TP2)", "1P(TP2)2D(TP1)", "1P(TP2)1D(TP2)", "3P1D",
+    ]  # fmt: skip
+    assert all(layout.gpus == 4 for layout in layouts(4, (1, 2)))
+    # 5 GPUs would hold 1P(TP2)1D(TP3), but 2 and 3 divide neither way: the router would not pair them. 3 GPUs hold no TP2 worker whole.
+    assert layouts(5, (2, 3)) == []
+    assert [layout.name for layout in layouts(3, (2,))] == []
+
+
+def test_each_role_runs_the_profile_of_its_size():
+    """A TP2 decode worker twice as fast a step: TPOT halves; its prefill stays the TP1 worker's; it pulls the bytes of TP1 -> TP2 at its own rate."""
+    one = tiny_profile()
+    two = tiny_profile(tensor_parallel_size=2, decode={"base_ms": 2.5, "per_seq_ms": 0.25, "per_context_token_ms": 0.0005},
+                       transfer={"latency_ms": 2.0, "bandwidth_gbps": 2.0})  # fmt: skip
+    (o,) = simulate({1: one, 2: two}, Layout("pd", 1, 1, prefill_tp=1, decode_tp=2), fixed(100, 10, 1, concurrency=1))
+    moved = plan_transfer(SHAPE, 100, 1, 2, block_size=16).total_bytes  # one KV head: both decode ranks read it
+    assert moved > plan_transfer(SHAPE, 100, block_size=16).total_bytes
+    prefill = 11.0 + 5.0 + 0.01 * 99  # the TP1 prefill worker's latency and step
+    assert o.ttft_ms == pytest.approx(prefill + 3.0 + (2.0 + moved / 2e6) + (2.5 + 0.01 * 1))
+    assert o.tpot_ms == pytest.approx(2.5 + 0.25 + 0.0005 * (100 + 108) / 2)
+    assert predict({1: one, 2: two}, Layout("pd", 1, 1, 1, 2), fixed(100, 10, 1, concurrency=1), SLO(1e9, 1e9)).gpus == 3
+    with pytest.raises(ValueError, match=r"1P\(TP1\)1D\(TP4\) has workers of tensor_parallel_size \[4\], and no profile"):
+        simulate({1: one, 2: two}, Layout("pd", 1, 1, 1, 4), fixed(100, 10, 1, concurrency=1))
+
+
+def test_size_lays_out_the_sizes_it_has_profiles_of():
+    two = tiny_profile(tensor_parallel_size=2)
+    got = size(two, fixed(100, 10, 20, concurrency=4), SLO(1e9, 1e9), [2, 4])
+    assert [(p.gpus, p.layout) for p in got] == [(2, "1 replicas (TP2)"), (2, "1 flex (TP2)"), (4, "2 replicas (TP2)"),
+                                                 (4, "2 flex (TP2)"), (4, "1P(TP2)1D(TP2)")]  # fmt: skip
+    assert {(p.prefill_tp, p.decode_tp) for p in got} == {(2, 2)}
 
 
 def test_lengths_parse_a_count_or_a_range():

@@ -14,7 +14,7 @@ from typing import Any
 
 from hybrid_pd.connector.contract import CONV_STATE_LAYOUT
 
-__all__ = ["NO_SPECULATION", "IncompatibleWorkers", "WorkerIdentity", "check_pair", "check_worker"]
+__all__ = ["NO_SPECULATION", "IncompatibleWorkers", "WorkerIdentity", "check_pair", "check_worker", "tp_sizes_pair"]
 
 # What a worker that does not speculate reports as its speculative_config (None is "unknown").
 NO_SPECULATION = "none"
@@ -78,6 +78,11 @@ def check_worker(identity: WorkerIdentity) -> None:
         )
 
 
+def tp_sizes_pair(prefill_tp: int, decode_tp: int) -> bool:
+    """Whether workers of these tensor-parallel sizes can exchange state: one size divides the other (the read plan's rule)."""
+    return max(prefill_tp, decode_tp) % min(prefill_tp, decode_tp) == 0
+
+
 def _same(field: str, prefill: WorkerIdentity, decode: WorkerIdentity, fix: str) -> None:
     a, b = getattr(prefill, field), getattr(decode, field)
     if a is not None and b is not None and a != b:
@@ -102,7 +107,7 @@ def check_pair(prefill: WorkerIdentity, decode: WorkerIdentity) -> None:
     # Qwen3-Next with MTP: logprobs 20x further from the decode worker's own than with equal counts; docs/models.md).
     _same("speculative_config", prefill, decode, "start both roles with the same --speculative-config")
     p_tp, d_tp = prefill.tensor_parallel_size, decode.tensor_parallel_size
-    if p_tp is not None and d_tp is not None and max(p_tp, d_tp) % min(p_tp, d_tp) != 0:
+    if p_tp is not None and d_tp is not None and not tp_sizes_pair(p_tp, d_tp):
         raise IncompatibleWorkers(
             "tensor_parallel_size",
             f"tensor_parallel_size {p_tp} (prefill) and {d_tp} (decode): one must divide the other "

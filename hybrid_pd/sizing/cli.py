@@ -15,7 +15,7 @@ from pathlib import Path
 
 from hybrid_pd.common import checks
 from hybrid_pd.common.arg_types import at_least, checked
-from hybrid_pd.sizing.profile import Profile, ProfileError
+from hybrid_pd.sizing.profile import Profile, ProfileError, profile_set
 from hybrid_pd.sizing.workload import Lengths
 
 __all__ = ["add_size_parser", "run_size"]
@@ -55,7 +55,11 @@ def add_size_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
         "says how one worker runs the model (docs/sizing.md).",
     )
     positive, output = checked(float, checks.positive), checked(Path, checks.output_file)
-    size.add_argument("--profile", type=_profile, required=True, metavar="PROFILE.json", help="the model's profile on one GPU")
+    size.add_argument(
+        "--profile", type=_profile, action="append", required=True, metavar="PROFILE.json",
+        help="the model's profile on one worker (hybrid-pd profile); again for workers of other tensor-parallel sizes: layouts then "
+        "mix the sizes where the router pairs them",
+    )  # fmt: skip
     size.add_argument("--gpus", type=_gpu_counts, required=True, metavar="N[,N...]", help="GPU counts to lay out, e.g. 2,4,8")
     size.add_argument("--input-len", type=_lengths, required=True, metavar="N|LOW-HIGH", help="prompt tokens (uniform over LOW-HIGH)")
     size.add_argument("--output-len", type=_lengths, required=True, metavar="N|LOW-HIGH", help="output tokens (uniform over LOW-HIGH)")
@@ -92,11 +96,15 @@ def add_size_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
 def run_size(args: argparse.Namespace) -> int:
     """Run the ``size`` subcommand; returns the exit code."""
     from hybrid_pd.bench.plot import PlotUnavailable, require_matplotlib
+    from hybrid_pd.sizing.layouts import layouts
     from hybrid_pd.sizing.report import best, format_table, plot_goodput, to_json
     from hybrid_pd.sizing.simulate import SLO, check_fits, size
     from hybrid_pd.sizing.workload import Workload, default_prompts
 
-    profile: Profile = args.profile
+    try:
+        profiles = profile_set(args.profile)
+    except ProfileError as exc:
+        return _usage(f"--profile: {exc}")
     if args.turns > 1 and args.concurrency is None:
         return _usage("--turns: multi-turn traffic is closed loop, give --concurrency (conversations at once), not --rate")
     workload = Workload(
@@ -105,7 +113,8 @@ def run_size(args: argparse.Namespace) -> int:
     )  # fmt: skip
     slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms)
     try:
-        check_fits(profile, workload)
+        for profile in profiles.values():
+            check_fits(profile, workload)
         if args.plot is not None:
             require_matplotlib()
     except ValueError as exc:
@@ -115,14 +124,17 @@ def run_size(args: argparse.Namespace) -> int:
         return _usage(str(exc))
     if args.emit_kustomize is not None and len(args.gpus) != 1:
         return _usage(f"--emit-kustomize: give one GPU count (--gpus {args.gpus[-1]}), the overlay deploys one layout")
-    predictions = size(profile, workload, slo, args.gpus, args.jobs)
+    if empty := [g for g in args.gpus if not layouts(g, profiles)]:
+        return _usage(f"--gpus: {empty[0]} GPUs hold no layout of workers of tensor_parallel_size {sorted(profiles)} (the profiles' sizes)")
+    predictions = size(profiles, workload, slo, args.gpus, args.jobs)
     print(format_table(predictions, workload, slo))
     print("best per GPU count: " + ", ".join(f"{g}: {p.layout}" for g, p in best(predictions).items()), flush=True)
     if args.json_out is not None:
         args.json_out.parent.mkdir(parents=True, exist_ok=True)
-        args.json_out.write_text(json.dumps(to_json(profile, workload, slo, predictions), indent=1) + "\n")
+        args.json_out.write_text(json.dumps(to_json(list(profiles.values()), workload, slo, predictions), indent=1) + "\n")
     if args.plot is not None:
-        title = f"{profile.model} on {profile.device}\n{workload.input_len}/{workload.output_len} tokens, {workload.load}, SLO {slo} ms"
+        first = next(iter(profiles.values()))
+        title = f"{first.model} on {first.device}\n{workload.input_len}/{workload.output_len} tokens, {workload.load}, SLO {slo} ms"
         plot_goodput(predictions, title, args.plot)
     if args.emit_kustomize is not None:
         from hybrid_pd.sizing.kustomize import DEFAULT_BASE, counts, write_overlay

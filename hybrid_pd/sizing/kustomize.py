@@ -10,7 +10,9 @@ itself with the router; a layout is their replica counts:
   serve as replicas (the simulator runs them so, as they measured on two H100s).
 
 The overlay is one ``kustomization.yaml`` that names the base by a relative path, sets the counts
-(kustomize's ``replicas:``) and, for flexible workers, patches the decode container's role.
+(kustomize's ``replicas:``) and patches the containers: for flexible workers the decode
+container's role; for workers of more than one GPU (tensor parallelism) the GPUs the pod asks for
+and a ``--tensor-parallel-size`` after the base's (the worker's parser keeps the last).
 """
 
 from __future__ import annotations
@@ -24,10 +26,13 @@ __all__ = ["DEFAULT_BASE", "counts", "overlay", "write_overlay"]
 
 DEFAULT_BASE = Path(__file__).resolve().parent.parent.parent / "deploy" / "k8s" / "gpu"
 
-_FLEX_PATCH = """  - target: {kind: Deployment, name: decode}
-    patch: |-
-      - {op: replace, path: /spec/template/spec/containers/0/command, value: [hybrid-pd, flex]}
-"""
+_CONTAINER = "/spec/template/spec/containers/0"
+_FLEX_OP = f"{{op: replace, path: {_CONTAINER}/command, value: [hybrid-pd, flex]}}"
+
+
+def _tp_ops(tp: int) -> list[str]:
+    return [f"{{op: add, path: {_CONTAINER}/args/-, value: --tensor-parallel-size={tp}}}",
+            f'{{op: replace, path: {_CONTAINER}/resources/limits/nvidia.com~1gpu, value: "{tp}"}}']  # fmt: skip
 
 
 def counts(prediction: Prediction) -> dict[str, int]:
@@ -57,8 +62,14 @@ def overlay(prediction: Prediction, base: Path, directory: Path, why: str) -> st
         f"  - {{name: prefill, count: {n['prefill']}}}",
         f"  - {{name: decode, count: {n['flex'] if flex else n['decode']}}}",
     ]
-    text = "\n".join(lines) + "\n"
-    return text + ("patches:\n" + _FLEX_PATCH if flex else "")
+    ops = {"prefill": _tp_ops(prediction.prefill_tp) if n["prefill"] and prediction.prefill_tp != 1 else [],
+           "decode": ([_FLEX_OP] if flex else []) + (_tp_ops(prediction.decode_tp) if prediction.decode_tp != 1 else [])}  # fmt: skip
+    if any(ops.values()):
+        lines.append("patches:")
+    for name, patch in ops.items():
+        if patch:
+            lines += [f"  - target: {{kind: Deployment, name: {name}}}", "    patch: |-", *(f"      - {op}" for op in patch)]
+    return "\n".join(lines) + "\n"
 
 
 def write_overlay(prediction: Prediction, base: Path, directory: Path, why: str) -> Path:

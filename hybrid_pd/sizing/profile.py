@@ -25,6 +25,11 @@ each number read on its own:
   holds ``cache_bytes``; so the state slots bound a worker's concurrency as well as KV does.
 - **Scheduler** (``max_num_seqs``, ``max_num_batched_tokens``): the vLLM settings the profile was
   measured with; its step times hold for them.
+- **Tensor parallelism** (``tensor_parallel_size``): the GPUs of the worker measured. Every figure
+  is the worker's as a whole (``cache_bytes`` over all its GPUs), so a worker of 2 GPUs has a
+  profile of its own, measured as it runs: how its step time scales is the GPUs' interconnect's,
+  not a rule to assume. ``hybrid-pd size`` lays out workers of each size it has a profile of
+  (:func:`profile_set`).
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from hybrid_pd.connector.plan import ModelShape, TransferPlan, plan_transfer
 
-__all__ = ["DecodeStep", "Profile", "ProfileError", "Transfer"]
+__all__ = ["DecodeStep", "Profile", "ProfileError", "Profiles", "Transfer", "profile_set"]
 
 
 class ProfileError(ValueError):
@@ -76,7 +81,7 @@ class Profile(_Frozen):
     source: str  # how the numbers were obtained: measured by which command, or fitted from which runs
     shape: ModelShape
     block_tokens: int = Field(gt=0)  # vLLM's attention block size for this model
-    cache_bytes: int = Field(gt=0)  # vLLM's KV cache (--kv-cache-memory-bytes)
+    cache_bytes: int = Field(gt=0)  # vLLM's KV cache (--kv-cache-memory-bytes), over all the worker's GPUs
     max_num_seqs: int = Field(gt=0)
     max_num_batched_tokens: int = Field(gt=0)
     decode: DecodeStep
@@ -84,6 +89,7 @@ class Profile(_Frozen):
     prompt_latency_ms: list[tuple[int, float]] = Field(min_length=1)  # (prompt tokens, ms), tokens increasing
     handoff_ms: float = Field(ge=0)
     transfer: Transfer
+    tensor_parallel_size: int = Field(1, gt=0)  # the worker's GPUs
 
     @field_validator("prompt_latency_ms")
     @classmethod
@@ -109,17 +115,21 @@ class Profile(_Frozen):
         (x0, y0), (x1, y1) = self.prompt_latency_ms[i - 1], self.prompt_latency_ms[i]
         return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
 
-    def transfer_plan(self, prompt_tokens: int, decode_cached: int = 0) -> TransferPlan:
-        """What one request of ``prompt_tokens`` moves from prefill to decode (none: the decode worker computes it), less
-        the ``decode_cached`` tokens of whole blocks the decode worker's prefix cache holds."""
-        return _plan(self.shape, prompt_tokens, self.block_tokens, decode_cached)
+    def transfer_plan(self, prompt_tokens: int, decode_cached: int = 0, prefill_tp: int | None = None) -> TransferPlan:
+        """What one request of ``prompt_tokens`` moves to this profile's worker as the decode worker (none: it computes the
+        prompt itself), less the ``decode_cached`` tokens of whole blocks its prefix cache holds, from a prefill worker
+        of ``prefill_tp`` GPUs (default: its own size). The bytes are the ranks' together, replicas included
+        (KV heads fewer than ranks)."""
+        tp = self.tensor_parallel_size
+        return _plan(self.shape, prompt_tokens, self.block_tokens, decode_cached, prefill_tp or tp, tp)
 
-    def transfer_ms(self, prompt_tokens: int, decode_cached: int = 0) -> float:
-        return self.transfer.ms(self.transfer_plan(prompt_tokens, decode_cached).total_bytes)
+    def transfer_ms(self, prompt_tokens: int, decode_cached: int = 0, prefill_tp: int | None = None) -> float:
+        return self.transfer.ms(self.transfer_plan(prompt_tokens, decode_cached, prefill_tp).total_bytes)
 
     def memory_layout(self) -> tuple[int, int]:
         """(bytes a sequence's state holds, bytes each ``block_tokens`` of its tokens hold) in vLLM's hybrid KV cache."""
-        one = _plan(self.shape, self.block_tokens + 1, self.block_tokens)  # a prompt that moves exactly one block
+        tp = self.tensor_parallel_size  # the worker's ranks together
+        one = _plan(self.shape, self.block_tokens + 1, self.block_tokens, 0, tp, tp)  # a prompt that moves exactly one block
         page = max(one.kv_bytes_per_attention_layer, one.conv_bytes_per_mamba_layer + one.ssm_bytes_per_mamba_layer)
         return page * one.mamba_layers_moved, page * one.attention_layers_moved
 
@@ -143,7 +153,32 @@ class Profile(_Frozen):
         path.write_text(json.dumps(self.model_dump(mode="json"), indent=1) + "\n")
 
 
+# One model's profiles by the tensor-parallel size of the worker each was measured on.
+Profiles = dict[int, Profile]
+
+
+def profile_set(profiles: list[Profile]) -> Profiles:
+    """Profiles of one model on workers of different sizes, by size; ProfileError unless they can serve side by side.
+
+    Workers of different sizes exchange state only where the router pairs them: the same model
+    (its shape) and block size, one size dividing the other (:func:`hybrid_pd.connector.compat.tp_sizes_pair`,
+    checked per layout). One profile per size: two of one size would leave the simulator to pick.
+    """
+    out: Profiles = {}
+    for p in profiles:
+        if p.tensor_parallel_size in out:
+            raise ProfileError(f"two profiles of tensor_parallel_size {p.tensor_parallel_size}: give one per size")
+        first = next(iter(out.values()), p)
+        if (p.shape, p.block_tokens) != (first.shape, first.block_tokens):
+            raise ProfileError(
+                f"the profiles of tensor_parallel_size {first.tensor_parallel_size} and {p.tensor_parallel_size} differ in the model's "
+                "shape or block_tokens: workers pair only when they serve the same model with the same block size"
+            )
+        out[p.tensor_parallel_size] = p
+    return out
+
+
 @functools.lru_cache(maxsize=4096)
-def _plan(shape: ModelShape, prompt_tokens: int, block_tokens: int, decode_cached: int = 0) -> TransferPlan:
+def _plan(shape: ModelShape, prompt_tokens: int, block_tokens: int, decode_cached: int = 0, prefill_tp: int = 1, decode_tp: int = 1) -> TransferPlan:
     """The transfer plan at one prompt length (a request's bytes; one page's bytes): the same few lengths recur."""
-    return plan_transfer(shape, prompt_tokens, block_size=block_tokens, decode_cached_tokens=decode_cached)
+    return plan_transfer(shape, prompt_tokens, prefill_tp, decode_tp, block_size=block_tokens, decode_cached_tokens=decode_cached)

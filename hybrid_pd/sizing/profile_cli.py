@@ -56,8 +56,13 @@ def add_profile_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentP
         help="the server's token budget per step (--max-num-batched-tokens; vLLM's default: 8192 on an H100, 2048 on CPU)",
     )  # fmt: skip
     p.add_argument(
+        "--tensor-parallel-size", type=at_least(1), default=1, metavar="N",
+        help="the server's --tensor-parallel-size: the profile is of a worker on N GPUs (hybrid-pd size lays out workers of each size it has a profile of)",
+    )  # fmt: skip
+    p.add_argument(
         "--cache-bytes", type=at_least(1), metavar="B",
-        help="the server's KV cache in bytes (default: its --kv-cache-memory-bytes, from vllm:cache_config_info)",
+        help="the server's KV cache in bytes over all its GPUs (default: its --kv-cache-memory-bytes, from vllm:cache_config_info, "
+        "times --tensor-parallel-size)",
     )  # fmt: skip
     p.add_argument(
         "--block-tokens", type=at_least(1), metavar="N",
@@ -114,8 +119,9 @@ async def _profile(args: argparse.Namespace, base: Profile) -> tuple[Profile, Me
     async with httpx.AsyncClient(timeout=30) as client:
         entry = await model_entry(client, args.url)
         version = await _version(client, args.url)
-        cache = args.cache_bytes or await measure.cache_info(client, args.url, "kv_cache_memory_bytes")
+        per_gpu = None if args.cache_bytes else await measure.cache_info(client, args.url, "kv_cache_memory_bytes")
         router_entry = await model_entry(client, args.transfer_router) if args.transfer_router else None
+    cache = args.cache_bytes or (int(per_gpu) * args.tensor_parallel_size if per_gpu is not None else None)  # vLLM's is per GPU
     if cache is None:
         raise _Usage(f"--cache-bytes: {args.url} was started without --kv-cache-memory-bytes; give its KV cache in bytes")
     config = args.model_config or (Path(entry["root"]) / "config.json" if entry.get("root") else None)
@@ -125,7 +131,7 @@ async def _profile(args: argparse.Namespace, base: Profile) -> tuple[Profile, Me
     settings = Settings(
         model=f"{entry['id']} ({entry.get('root', '?')}), vLLM {version}", device=args.device, shape=shape,
         block_tokens=args.block_tokens or attention_block_tokens(shape), cache_bytes=int(cache),
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, tensor_parallel_size=args.tensor_parallel_size,
     )  # fmt: skip
     server_profile = settings.draft(base)
     plan = (QUICK if args.quick else FULL).shaped(server_profile, int(entry.get("max_model_len") or 1 << 20))

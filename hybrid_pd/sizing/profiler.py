@@ -33,9 +33,6 @@ from hybrid_pd.sizing.workload import Lengths, Workload
 
 __all__ = ["FULL", "QUICK", "Measurements", "Plan", "Settings", "attention_block_tokens", "burst_workload", "fit_profile"]
 
-ONE_WORKER = Layout("replicas", 0, 1)
-
-
 @dataclass(frozen=True)
 class Plan:
     """What to measure (tokens, requests); :meth:`shaped` fits it to a server."""
@@ -98,12 +95,13 @@ class Settings:
     cache_bytes: int
     max_num_seqs: int
     max_num_batched_tokens: int
+    tensor_parallel_size: int = 1
 
     def draft(self, base: Profile) -> Profile:
         """A profile of these settings, the rest from ``base`` until fitted."""
         return base.model_copy(update={"model": self.model, "device": self.device, "shape": self.shape, "block_tokens": self.block_tokens,
                                        "cache_bytes": self.cache_bytes, "max_num_seqs": self.max_num_seqs,
-                                       "max_num_batched_tokens": self.max_num_batched_tokens})  # fmt: skip
+                                       "max_num_batched_tokens": self.max_num_batched_tokens, "tensor_parallel_size": self.tensor_parallel_size})  # fmt: skip
 
 
 def attention_block_tokens(shape: ModelShape, align: int = 16) -> int:
@@ -153,4 +151,5 @@ def fit_profile(m: Measurements, settings: Settings, base: Profile, source: str)
 
     high = max(max(v) / n for n, v in m.lone_ttft_ms.items())  # no token costs more than a lone prompt's whole TTFT
     rps = sum(m.burst_rps) / len(m.burst_rps)
-    return match_throughput(with_prefill, ONE_WORKER, burst_workload(m), rps, high)
+    one_worker = Layout("replicas", 0, 1, settings.tensor_parallel_size, settings.tensor_parallel_size)  # the server measured
+    return match_throughput(with_prefill, one_worker, burst_workload(m), rps, high)

@@ -45,10 +45,10 @@ def format_table(predictions: list[Prediction], workload: Workload, slo: SLO) ->
     return "\n".join(lines)
 
 
-def to_json(profile: Profile, workload: Workload, slo: SLO, predictions: list[Prediction]) -> dict[str, Any]:
-    """Everything the predictions rest on (the whole profile too) and the predictions."""
+def to_json(profiles: list[Profile], workload: Workload, slo: SLO, predictions: list[Prediction]) -> dict[str, Any]:
+    """Everything the predictions rest on (the whole profiles too, one per worker size) and the predictions."""
     return {
-        "profile": profile.model_dump(mode="json"),
+        "profiles": [profile.model_dump(mode="json") for profile in profiles],
         "workload": {"input_len": str(workload.input_len), "output_len": str(workload.output_len), "num_prompts": workload.num_prompts,
                      "concurrency": workload.concurrency, "rate": workload.rate, "seed": workload.seed, "turns": workload.turns,
                      "system_len": workload.system_len},

@@ -28,6 +28,12 @@ first N-1 tokens on a prefill worker. Its prompt computes only the rest; a decod
 the blocks its cache lacks and the state (``hybrid-pd plan --decode-cached-tokens``). Not
 simulated: eviction from the prefix cache (it is taken to hold every conversation in flight) and
 a shared system prompt. Salted traffic (``Workload.salted``) reuses nothing and is routed by load.
+
+Workers of a layout run the profile of their tensor-parallel size (:func:`~hybrid_pd.sizing.profile.profile_set`):
+the prefill worker's for the prefill leg and the prompt's way to it, the decode worker's for the
+rest. A pull between workers of different sizes moves the bytes ``hybrid-pd plan --prefill-tp
+--decode-tp`` counts for them (every decode rank's reads together) at the decode worker's measured
+transfer rate: the decode ranks read, and a pull across sizes has no rate of its own measured.
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ from hybrid_pd.bench.stats import percentile
 from hybrid_pd.router.settings import RouterSettings
 from hybrid_pd.sizing.engine import Engine, Job, Step
 from hybrid_pd.sizing.layouts import Layout, layouts
-from hybrid_pd.sizing.profile import Profile
+from hybrid_pd.sizing.profile import Profile, Profiles
 from hybrid_pd.sizing.workload import Request, Workload
 
 __all__ = ["SLO", "Outcome", "Prediction", "check_fits", "predict", "predict_many", "simulate", "size", "summarize"]
@@ -97,6 +103,8 @@ class Prediction:
     ttft_mean_ms: float
     tpot_p50_ms: float
     tpot_mean_ms: float
+    prefill_tp: int = 1  # GPUs of a prefill worker
+    decode_tp: int = 1  # GPUs of a worker that decodes
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -113,6 +121,8 @@ def summarize(layout: Layout, outcomes: list[Outcome], slo: SLO) -> Prediction:
         prefill=layout.prefill,
         decode=layout.decode,
         gpus=layout.gpus,
+        prefill_tp=layout.prefill_tp,
+        decode_tp=layout.decode_tp,
         completed=len(outcomes),
         duration_s=duration_s,
         throughput_rps=len(outcomes) / duration_s,
@@ -126,17 +136,22 @@ def summarize(layout: Layout, outcomes: list[Outcome], slo: SLO) -> Prediction:
     )
 
 
-def predict(profile: Profile, layout: Layout, workload: Workload, slo: SLO) -> Prediction:
+def predict(profile: Profile | Profiles, layout: Layout, workload: Workload, slo: SLO) -> Prediction:
     return summarize(layout, simulate(profile, layout, workload), slo)
 
 
-def size(profile: Profile, workload: Workload, slo: SLO, gpu_counts: list[int], jobs: int = 1) -> list[Prediction]:
-    """Every layout of each GPU count (:func:`~hybrid_pd.sizing.layouts.layouts`) under the same traffic."""
-    tasks = [(layout, workload) for gpus in gpu_counts for layout in layouts(gpus)]
-    return [per_slo[0] for per_slo in predict_many(profile, tasks, [slo], jobs)]
+def size(profile: Profile | Profiles, workload: Workload, slo: SLO, gpu_counts: list[int], jobs: int = 1) -> list[Prediction]:
+    """Every layout of each GPU count (:func:`~hybrid_pd.sizing.layouts.layouts`) with workers of the profiles' sizes, under the same traffic."""
+    sizes = _by_tp(profile)
+    tasks = [(layout, workload) for gpus in gpu_counts for layout in layouts(gpus, sizes)]
+    return [per_slo[0] for per_slo in predict_many(sizes, tasks, [slo], jobs)]
 
 
-def predict_many(profile: Profile, tasks: list[tuple[Layout, Workload]], slos: list[SLO], jobs: int = 1) -> list[list[Prediction]]:
+def _by_tp(profile: Profile | Profiles) -> Profiles:
+    return {profile.tensor_parallel_size: profile} if isinstance(profile, Profile) else profile
+
+
+def predict_many(profile: Profile | Profiles, tasks: list[tuple[Layout, Workload]], slos: list[SLO], jobs: int = 1) -> list[list[Prediction]]:
     """Each (layout, workload) simulated once and summarized for every SLO pair, in ``jobs`` processes (each simulation is independent)."""
     if jobs <= 1 or len(tasks) <= 1:
         return [_predict_slos((profile, layout, workload, slos)) for layout, workload in tasks]
@@ -161,10 +176,15 @@ def check_fits(profile: Profile, workload: Workload) -> None:
         )
 
 
-def simulate(profile: Profile, layout: Layout, workload: Workload) -> list[Outcome]:
-    """Every request of ``workload`` served by ``layout``, in the order they were sent (:func:`check_fits` first)."""
-    check_fits(profile, workload)
-    return _Simulation(profile, layout, workload).run()
+def simulate(profile: Profile | Profiles, layout: Layout, workload: Workload) -> list[Outcome]:
+    """Every request of ``workload`` served by ``layout``, its workers each with the profile of its size, in the order
+    they were sent (:func:`check_fits` first); ValueError where a size has no profile."""
+    sizes = _by_tp(profile)
+    if missing := sorted(layout.tp_sizes - set(sizes)):
+        raise ValueError(f"{layout.name} has workers of tensor_parallel_size {missing}, and no profile of that size")
+    for tp in sorted(layout.tp_sizes):
+        check_fits(sizes[tp], workload)
+    return _Simulation(sizes[layout.prefill_tp] if layout.kind == "pd" else sizes[layout.decode_tp], sizes[layout.decode_tp], layout, workload).run()
 
 
 class _Load:
@@ -214,11 +234,12 @@ class _Route:
 
 
 class _Simulation:
-    def __init__(self, profile: Profile, layout: Layout, workload: Workload) -> None:
-        self.profile, self.workload = profile, workload
+    def __init__(self, prefill: Profile, decode: Profile, layout: Layout, workload: Workload) -> None:
+        self.prefill_profile, self.decode_profile, self.workload = prefill, decode, workload
+        self.block_tokens = decode.block_tokens  # the roles' agree (profile_set)
         self.split = layout.kind == "pd"
-        self.prefill = [Engine(profile) for _ in range(layout.prefill)]
-        self.decode = [Engine(profile) for _ in range(layout.decode)]
+        self.prefill = [Engine(prefill) for _ in range(layout.prefill)]
+        self.decode = [Engine(decode) for _ in range(layout.decode)]
         self.prefill_load = [_Load() for _ in self.prefill]
         self.decode_load = [_Load() for _ in self.decode]
         self.events: list[tuple[float, int, Callable[[float, Any], None], Any]] = []
@@ -258,8 +279,8 @@ class _Simulation:
     # --- the client and the router ---
 
     def _send(self, now: float, r: Request) -> None:
-        p, bt = self.profile, self.profile.block_tokens
-        arrive = now + p.prompt_latency_ms_at(r.prompt)
+        p, bt = self.decode_profile, self.block_tokens
+        arrive = now + (self.prefill_profile if self.split else p).prompt_latency_ms_at(r.prompt)
         reuses = r.earlier_prompt and not self.workload.salted
         home_decode, home_prefill = self.homes.get(r.conversation, (None, None)) if reuses else (None, None)
         route = self.routes[r.id] = _Route(r, now, _pick(self.decode_load, home_decode))
@@ -277,7 +298,7 @@ class _Simulation:
         self.prefill_load[route.prefill].add(r.prompt, 1)
         computed = max(r.prompt - 1, 1)  # the prefill leg stops at token N-1 (vLLM computes at least one)
         cached = reusable(r.earlier_prompt - 1, computed, bt) if route.prefill == home_prefill else 0
-        route.leg = Job(r.id, computed - cached, cached, 0, p.memory_bytes(computed))
+        route.leg = Job(r.id, computed - cached, cached, 0, self.prefill_profile.memory_bytes(computed))
         self._at(arrive, self._enter, (self.prefill[route.prefill], route.leg))
 
     def _remember(self, r: Request, route: _Route) -> None:
@@ -287,13 +308,13 @@ class _Simulation:
 
     def _prefill_answered(self, now: float, route: _Route) -> None:
         """The prefill leg is done: the router sends the decode leg to the worker it picked on arrival."""
-        p, r = self.profile, route.request
+        p, r = self.decode_profile, route.request
         self.prefill_load[route.prefill].add(r.prompt, -1)
-        plan = p.transfer_plan(r.prompt, route.decode_cached)
+        plan = p.transfer_plan(r.prompt, route.decode_cached, self.prefill_profile.tensor_parallel_size)
         held = plan.transferred_tokens + route.decode_cached  # pulled, and resumed from its own cache
         job = Job(r.id, r.prompt - held, held, r.output, p.memory_bytes(r.prompt + r.output))
         if plan.total_bytes:
-            job.pull, job.pull_ms = "wanted", p.transfer_ms(r.prompt, route.decode_cached)
+            job.pull, job.pull_ms = "wanted", p.transfer.ms(plan.total_bytes)
         else:  # nothing moves: the decode worker computes the prompt itself
             self._release(now, self.prefill[route.prefill], route.leg)
         self._at(now + p.handoff_ms, self._enter, (self.decode[route.decode], job))
