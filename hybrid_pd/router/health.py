@@ -9,11 +9,16 @@ seen a worker pass a health check routes around it.
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections.abc import Callable
 from typing import Any
+
+import httpx
 
 from hybrid_pd.router.registry import ROLES, Registry
 
-__all__ = ["available_urls", "health_body", "listed_urls"]
+__all__ = ["available_urls", "health_body", "listed_urls", "wait_routed"]
 
 
 def health_body(registry: Registry, ready: bool) -> dict[str, Any]:
@@ -33,3 +38,14 @@ def listed_urls(body: dict[str, Any]) -> set[str]:
 def available_urls(body: dict[str, Any]) -> set[str]:
     """The workers the router routes to now."""
     return {url for role in ROLES for url in body.get("available", {}).get(role, [])}
+
+
+def wait_routed(router: str, workers: set[str], timeout_s: float, alive: Callable[[], bool] = lambda: True) -> bool:
+    """Poll ``router``'s /health until it lists every one of ``workers`` (URLs) as available; False after ``timeout_s`` or once not ``alive()``."""
+    deadline = time.monotonic() + timeout_s
+    while alive() and time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            if workers <= available_urls(httpx.get(router + "/health", timeout=5).json()):
+                return True
+        time.sleep(0.5)
+    return False

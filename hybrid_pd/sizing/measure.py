@@ -48,6 +48,8 @@ __all__ = [
     "wait_counter",
 ]
 
+log = logging.getLogger("hybrid_pd.sizing.profile")
+
 TRANSFER_WAIT_S = 15.0  # how long the transfer counters may take to count a length's requests
 XFERS, XFER_SECONDS, XFER_BYTES = "vllm:nixl_xfer_time_seconds_count", "vllm:nixl_xfer_time_seconds_sum", "vllm:nixl_bytes_transferred_sum"
 
@@ -107,8 +109,6 @@ async def burst_rps(pool: ClientPool, server: Server, prompt_len: int, requests:
     results = await _together(pool, server.completions, [sampling.body(p) for p in random_prompts(requests, prompt_len, server.vocab_size, seed)])
     return len(results) / (max(r.done_at for r in results) - min(r.sent_at for r in results))
 
-
-log = logging.getLogger("hybrid_pd.sizing.profile")
 
 # Batches sent again (new prompts) when one did not decode together: a busy host can hold one request back for a whole
 # batch's decode (seen once in four CPU smokes on two busy cores); the error stands if every try fails.

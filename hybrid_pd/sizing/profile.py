@@ -123,8 +123,8 @@ class Profile(_Frozen):
         tp = self.tensor_parallel_size
         return _plan(self.shape, prompt_tokens, self.block_tokens, decode_cached, prefill_tp or tp, tp)
 
-    def transfer_ms(self, prompt_tokens: int, decode_cached: int = 0, prefill_tp: int | None = None) -> float:
-        return self.transfer.ms(self.transfer_plan(prompt_tokens, decode_cached, prefill_tp).total_bytes)
+    def transfer_ms(self, prompt_tokens: int, decode_cached: int = 0) -> float:
+        return self.transfer.ms(self.transfer_plan(prompt_tokens, decode_cached).total_bytes)
 
     def memory_layout(self) -> tuple[int, int]:
         """(bytes a sequence's state holds, bytes each ``block_tokens`` of its tokens hold) in vLLM's hybrid KV cache."""

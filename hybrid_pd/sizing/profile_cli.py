@@ -130,7 +130,7 @@ async def _profile(args: argparse.Namespace, base: Profile) -> tuple[Profile, Me
     shape = model_shape(config)
     settings = Settings(
         model=f"{entry['id']} ({entry.get('root', '?')}), vLLM {version}", device=args.device, shape=shape,
-        block_tokens=args.block_tokens or attention_block_tokens(shape), cache_bytes=int(cache),
+        block_tokens=args.block_tokens or attention_block_tokens(shape), cache_bytes=cache,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, tensor_parallel_size=args.tensor_parallel_size,
     )  # fmt: skip
     server_profile = settings.draft(base)

@@ -33,6 +33,7 @@ from hybrid_pd.sizing.workload import Lengths, Workload
 
 __all__ = ["FULL", "QUICK", "Measurements", "Plan", "Settings", "attention_block_tokens", "burst_workload", "fit_profile"]
 
+
 @dataclass(frozen=True)
 class Plan:
     """What to measure (tokens, requests); :meth:`shaped` fits it to a server."""

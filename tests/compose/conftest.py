@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import shutil
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import httpx
 import pytest
 
 from hybrid_pd.common.processes import free_port
-from hybrid_pd.router.health import available_urls, listed_urls
+from hybrid_pd.router.health import wait_routed
 from tests.compose.sandbox_support import Compose, Engine, Rlimits, make_inputs, timed
 
 log = logging.getLogger("compose-ci")
@@ -80,10 +79,8 @@ def router(stack: Compose) -> Iterator[httpx.Client]:
     passed the prefill worker too, a request is prefilled where it is decoded, and no state
     crosses NIXL (hybrid_pd/router/health.py).
     """
-    with httpx.Client(base_url=f"http://127.0.0.1:{stack.env['ROUTER_PORT']}", timeout=120) as client:
-        deadline, body = time.monotonic() + 60, client.get("/health").json()
-        while len(listed_urls(body)) != 2 or available_urls(body) != listed_urls(body):
-            assert time.monotonic() < deadline, f"the router does not route to both workers: {body}"
-            time.sleep(0.5)
-            body = client.get("/health").json()
+    url = f"http://127.0.0.1:{stack.env['ROUTER_PORT']}"
+    with httpx.Client(base_url=url, timeout=120) as client:
+        workers = {"http://prefill-cpu:8100", "http://decode-cpu:8200"}  # docker-compose.yml's router-cpu
+        assert wait_routed(url, workers, 60), f"the router does not route to both workers: {client.get('/health').json()}"
         yield client

@@ -43,7 +43,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -55,7 +54,7 @@ from hybrid_pd.bench.plot import PlotUnavailable, require_matplotlib
 from hybrid_pd.bench.stats import percentile
 from hybrid_pd.common.processes import free_port, spawn, stop_group, wait_http_ok
 from hybrid_pd.common.prom import metric_sum
-from hybrid_pd.router.health import available_urls
+from hybrid_pd.router.health import wait_routed
 
 NAME = "hybrid-gpu"
 # server -> (role, GPU) on two GPUs; on CPU one of each (the GPU index is ignored).
@@ -215,7 +214,7 @@ def serve(args: argparse.Namespace) -> int:
                 print(f"{name} did not start; see {out / 'logs'}", file=sys.stderr, flush=True)
                 return 1
         for name, system in systems.items():  # a router answers before it saw its workers ready: it would route around them
-            if not _wait_routed(urls[name], {urls[server] for _, server in system.legs}, lambda: not stopping, 60):
+            if not wait_routed(urls[name], {urls[server] for _, server in system.legs}, 60, lambda: not stopping):
                 print(f"router {name} does not route to all its workers; see {out / 'logs'}", file=sys.stderr, flush=True)
                 return 1
         state = {"urls": urls, "systems": list(systems), "servers": list(names), "ready_s": round(time.monotonic() - started, 1)}
@@ -248,17 +247,6 @@ def up(args: argparse.Namespace) -> dict[str, Any]:
     state = json.loads(state_file.read_text())
     print(f"servers ready in {state['ready_s']} s", flush=True)
     return state
-
-
-def _wait_routed(router: str, workers: set[str], alive: Callable[[], bool], timeout_s: float) -> bool:
-    """Until the router's /health lists every one of ``workers`` as available (for some role); False if not within ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while alive() and time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError, ValueError):
-            if workers <= available_urls(httpx.get(router + "/health", timeout=5).json()):
-                return True
-        time.sleep(0.5)
-    return False
 
 
 def _healthy(url: str) -> bool:
