@@ -14,7 +14,7 @@ from hybrid_pd.sizing.fitting import fit_transfer
 from hybrid_pd.sizing.layouts import Layout
 from hybrid_pd.sizing.measure import DecodePoint, full_batch_step
 from hybrid_pd.sizing.profile import Profile
-from hybrid_pd.sizing.profiler import FULL, Measurements, Settings, attention_block_tokens, burst_workload, fit_profile
+from hybrid_pd.sizing.profiler import FULL, QUICK, Measurements, Settings, attention_block_tokens, burst_workload, fit_profile
 from hybrid_pd.sizing.simulate import SLO, predict
 from hybrid_pd.sizing.workload import Lengths, Workload
 from tests.sizing_support import tiny_profile
@@ -86,7 +86,7 @@ def test_only_the_tokens_while_every_request_decodes_count_and_a_burst_keeps_the
     assert full_batch_step([a, b, c]) == (pytest.approx((22 + 6 + 10) / 11), pytest.approx(190 * 3 / 11))
     late = _result(0.0, 0.485, [0.001, 0.001])  # its first token when A is almost done: 3 tokens inside, too few for 3 requests
     assert full_batch_step([a, b, late]) is None
-def test_a_batch_that_did_not_decode_together_is_sent_again_with_new_prompts_and_the_error_stands_after_every_try(monkeypatch):
+def test_a_batch_that_did_not_decode_together_is_sent_again_with_new_prompts_and_longer_outputs_and_the_error_stands_after_every_try(monkeypatch):
     import asyncio
 
     from hybrid_pd.sizing import measure
@@ -105,14 +105,28 @@ def test_a_batch_that_did_not_decode_together_is_sent_again_with_new_prompts_and
 
     server = measure.Server("http://127.0.0.1:9", "m", 500)
     monkeypatch.setattr(measure, "_together", batches([a, late], [a, b]))
-    point = asyncio.run(measure.decode_point(None, server, 2, 8, 8, seed=1))
-    assert point.step_ms == pytest.approx(190 * 2 / 7) and len(sent) == 2
+    point = asyncio.run(measure.decode_point(None, server, 2, 8, [8, 16, 32], seed=1))
+    assert point.step_ms == pytest.approx(190 * 2 / 7) and len(sent) == 2 and point.output_len == 16
     assert sent[0][0]["prompt"] != sent[1][0]["prompt"], "new prompts: none of the first try's in a prefix cache"
+    assert [b["max_tokens"] for b in sent[1]] == [16, 16], "the second try decodes longer"
     sent.clear()
-    monkeypatch.setattr(measure, "_together", batches(*[[a, late]] * measure.DECODE_TRIES))
-    with pytest.raises(measure.MeasureError, match=f"{measure.DECODE_TRIES} times"):
-        asyncio.run(measure.decode_point(None, server, 2, 8, 8, seed=1))
-    assert len(sent) == measure.DECODE_TRIES
+    monkeypatch.setattr(measure, "_together", batches(*[[a, late]] * 3))
+    with pytest.raises(measure.MeasureError, match="3 times"):
+        asyncio.run(measure.decode_point(None, server, 2, 8, [8, 16, 32], seed=1))
+    assert [s[0]["max_tokens"] for s in sent] == [8, 16, 32]
+
+
+def test_each_try_at_a_decode_point_doubles_the_output_within_the_model_length_and_the_cache():
+    server = Profile.load(FITTED)  # Nemotron-H-8B, 8 GiB of KV cache
+    plan = QUICK.shaped(server, max_model_len=512)
+    first = plan.output_len_for(4, 32, server)
+    assert plan.decode_tries(4, 32, server, 3) == [first, 2 * first, 4 * first]
+    assert plan.decode_tries(4, 32, server, 4)[-1] == 4 * first, "8x would pass the model's 512 tokens: the last length that fits again"
+    assert QUICK.shaped(server, max_model_len=32 + first + 1).decode_tries(4, 32, server, 3) == [first] * 3
+    long_prompt = server.block_tokens - 2 * first - 1  # 2x the output ends in the first attention block, 4x in the second
+    small = server.model_copy(update={"cache_bytes": 4 * server.memory_bytes(server.block_tokens)})  # 4 rows of one block
+    first = plan.output_len_for(4, long_prompt, small)
+    assert QUICK.shaped(small, 8192).decode_tries(4, long_prompt, small, 3) == [first, 2 * first, 2 * first]
 
 
 def test_the_plan_stays_within_the_server_s_sequences_cache_and_model_length():

@@ -110,21 +110,20 @@ async def burst_rps(pool: ClientPool, server: Server, prompt_len: int, requests:
     return len(results) / (max(r.done_at for r in results) - min(r.sent_at for r in results))
 
 
-# Batches sent again (new prompts) when one did not decode together: a busy host can hold one request back for a whole
-# batch's decode (seen once in four CPU smokes on two busy cores); the error stands if every try fails.
+# Batches sent again (new prompts, longer outputs) when one did not decode together: a busy host can hold one request
+# back for a whole batch's decode (CPU smokes on two busy cores); the error stands if every try fails.
 DECODE_TRIES = 3
 
 
-async def decode_point(pool: ClientPool, server: Server, rows: int, prompt_len: int, output_len: int, seed: int) -> DecodePoint:
-    """``rows`` requests of ``prompt_len`` tokens generating ``output_len`` each, sent together: their full batch's step."""
-    sampling = Sampling(server.model, output_len)
-    for attempt in range(DECODE_TRIES):
+async def decode_point(pool: ClientPool, server: Server, rows: int, prompt_len: int, output_lens: Sequence[int], seed: int) -> DecodePoint:
+    """``rows`` requests of ``prompt_len`` tokens sent together: their full batch's step, one try per output length."""
+    for attempt, output_len in enumerate(output_lens):
         prompts = random_prompts(rows, prompt_len, server.vocab_size, seed + 7919 * attempt)
-        step = full_batch_step(await _together(pool, server.completions, [sampling.body(p) for p in prompts]))
+        step = full_batch_step(await _together(pool, server.completions, [Sampling(server.model, output_len).body(p) for p in prompts]))
         if step is not None:
             return DecodePoint(rows, prompt_len + step[0], step[1], prompt_len, output_len)
-        log.warning("%d requests of %d+%d tokens did not decode together (try %d of %d)", rows, prompt_len, output_len, attempt + 1, DECODE_TRIES)
-    raise MeasureError(f"{rows} requests of {prompt_len}+{output_len} tokens hardly decoded all at once, {DECODE_TRIES} times: give more output tokens")
+        log.warning("%d requests of %d+%d tokens did not decode together (try %d of %d)", rows, prompt_len, output_len, attempt + 1, len(output_lens))
+    raise MeasureError(f"{rows} requests of {prompt_len}+{list(output_lens)} tokens hardly decoded all at once, {len(output_lens)} times: give more output tokens")
 
 
 def full_batch_step(results: Sequence[RequestResult]) -> tuple[float, float] | None:

@@ -162,9 +162,9 @@ async def _measure(plan: Plan, server: measure.Server, settings: Profile, router
         bursts = [await measure.burst_rps(pool, server, plan.burst_prompt_len, requests, seed + 100 + i) for i in range(plan.repeats)]
         decode = []
         for i, (n, rows) in enumerate(plan.decode_batches(settings)):
-            out = plan.output_len_for(rows, n, settings)
-            log.info("decode: %d rows of %d+%d tokens", rows, n, out)
-            decode.append(await measure.decode_point(pool, server, rows, n, out, seed + 200 + i))
+            outs = plan.decode_tries(rows, n, settings, measure.DECODE_TRIES)
+            log.info("decode: %d rows of %d+%d tokens", rows, n, outs[0])
+            decode.append(await measure.decode_point(pool, server, rows, n, outs, seed + 200 + i))
         transfers, error = [], None
         if router is not None:
             log.info("transfers through %s at %s tokens", router.url, plan.prompt_lens)

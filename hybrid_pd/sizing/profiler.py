@@ -46,13 +46,14 @@ class Plan:
     decode_rows: tuple[int, ...]  # batches of the decode points, at each of their contexts
     decode_output_len: int  # at least; more where the batch's prompts take longer to compute
     warmup: int = 2
+    max_model_len: int = 1 << 20  # the server's, once :meth:`shaped`
 
     def shaped(self, server: Profile, max_model_len: int) -> Plan:
         """The plan within the server's model length (``server``: a profile of its settings)."""
         limit = max_model_len - 1
         longest = max(self.decode_rows)
         return replace(
-            self, prompt_lens=tuple(sorted({min(n, limit) for n in self.prompt_lens})), burst_prompt_len=min(self.burst_prompt_len, limit),
+            self, max_model_len=max_model_len, prompt_lens=tuple(sorted({min(n, limit) for n in self.prompt_lens})), burst_prompt_len=min(self.burst_prompt_len, limit),
             decode_prompt_lens=tuple(sorted({max(1, min(n, limit - self.output_len_for(longest, n, server))) for n in self.decode_prompt_lens})),
         )  # fmt: skip
 
@@ -74,6 +75,21 @@ class Plan:
     def output_len_for(self, rows: int, prompt_len: int, server: Profile) -> int:
         """Enough tokens that the batch decodes whole for ``decode_output_len`` steps after its prompts' steps."""
         return self.decode_output_len + math.ceil(rows * prompt_len / server.max_num_batched_tokens)
+
+    def decode_tries(self, rows: int, prompt_len: int, server: Profile, tries: int) -> list[int]:
+        """The output tokens of each try at a decode point: twice the last's after a batch that did not decode together.
+
+        A batch decodes together only if its requests start within its decode's time; on a busy
+        host (CI: the server and the client on two cores) one request can start after a short
+        batch is done, so each try gives the batch longer, within the model's length and the KV
+        cache (no row waits for memory).
+        """
+        outs = [self.output_len_for(rows, prompt_len, server)]
+        for _ in range(tries - 1):
+            longer = 2 * outs[-1]
+            fits = prompt_len + longer < self.max_model_len and _fitting(server, prompt_len + longer) >= rows
+            outs.append(longer if fits else outs[-1])
+        return outs
 
 
 def _fitting(server: Profile, tokens: int) -> int:
