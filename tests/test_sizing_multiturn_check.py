@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hybrid_pd.sizing.multiturn_check import CACHING_BLOCK_TOKENS, PROFILE, RUN, compare, markdown
+from hybrid_pd.sizing.multiturn_check import PROFILE, RUN, compare, markdown
 from hybrid_pd.sizing.profile import Profile
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -14,7 +14,9 @@ REGENERATE = "python -m hybrid_pd.sizing.multiturn_check --json hybrid_pd/bench/
 
 def test_every_measured_row_is_predicted_and_the_docs_and_json_show_what_the_check_computes():
     run = json.loads(RUN.read_text())
-    rows = compare(Profile.load(PROFILE).model_copy(update={"block_tokens": CACHING_BLOCK_TOKENS}), run)
+    profile = Profile.load(PROFILE)
+    assert (profile.mamba_cache_mode, profile.block_tokens) == ("all", 1152), "the run's caching: a state per block, blocks the engines logged"
+    rows = compare(profile, run)
     assert [(r["system"], r["level"], r["salted"]) for r in rows] == [(r["system"], r["level"], r["salted"]) for r in run["rows"]]
     assert markdown(rows) in (ROOT / "docs" / "performance.md").read_text(), "regenerate: " + REGENERATE
     assert json.loads((RUN.parent / "prediction.json").read_text())["rows"] == json.loads(json.dumps(rows)), "regenerate: " + REGENERATE

@@ -27,7 +27,7 @@ from hybrid_pd.cli import main
 from hybrid_pd.common.processes import free_port
 from hybrid_pd.sizing.profile import Profile
 from hybrid_pd.sizing.profile_cli import BASE_PROFILE
-from hybrid_pd.sizing.profiler import QUICK
+from hybrid_pd.sizing.profiler import QUICK, attention_block_tokens
 
 CACHE_BYTES = 64 << 20
 METRICS = f"""# a vLLM server's /metrics, the lines hybrid-pd profile reads
@@ -38,7 +38,7 @@ vllm:nixl_bytes_transferred_sum{{engine="0"}} 0.0
 """
 
 
-def stand_in(model_dir: str, seen: list[dict]) -> Starlette:
+def stand_in(model_dir: str, seen: list[dict], metrics_text: str = METRICS) -> Starlette:
     async def models(_: Request) -> JSONResponse:
         return JSONResponse({"data": [{"id": "tiny", "root": model_dir, "max_model_len": 2048}]})
 
@@ -46,7 +46,7 @@ def stand_in(model_dir: str, seen: list[dict]) -> Starlette:
         return JSONResponse({"version": "stand-in"})
 
     async def metrics(_: Request) -> PlainTextResponse:
-        return PlainTextResponse(METRICS)
+        return PlainTextResponse(metrics_text)
 
     async def completions(request: Request) -> StreamingResponse:
         body = await request.json()
@@ -125,3 +125,20 @@ def test_a_profile_of_a_tensor_parallel_server_holds_the_kv_cache_of_all_its_gpu
         assert main(argv) == 0, capsys.readouterr().err
     profile = Profile.load(tmp_path / "p.json")
     assert (profile.tensor_parallel_size, profile.cache_bytes) == (2, 2 * CACHE_BYTES)
+
+
+def test_a_server_that_caches_mamba_states_per_block_gets_a_profile_of_that_mode_and_its_block(tmp_path, capsys):
+    """vLLM 0.26 with prefix caching on a GPU: Mamba cache mode 'all', blocks a multiple of the Mamba chunk (1152 for Nemotron-H-8B)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    config = (BASE_PROFILE.parent.parent.parent.parent / "models" / "hybrid-pd-tiny" / "config.json").read_text()
+    (model / "config.json").write_text(config)
+    metrics_text = METRICS.replace('engine="0",', 'engine="0",mamba_cache_mode="all",', 1)
+    with serving(stand_in(str(model), [], metrics_text)) as url:
+        argv = ["profile", "--quick", "--url", url, "--out", str(tmp_path / "p.json"), "--max-num-seqs", "8", "--max-num-batched-tokens", "2048"]
+        assert main(argv) == 0, capsys.readouterr().err
+    profile = Profile.load(tmp_path / "p.json")
+    chunk = json.loads(config)["chunk_size"]
+    assert profile.mamba_cache_mode == "all" and profile.block_tokens == attention_block_tokens(profile.shape, chunk)
+    assert profile.block_tokens % chunk == 0 and profile.block_tokens >= attention_block_tokens(profile.shape)
+    assert profile.memory_layout()[0] == 0, "every block holds a state as well"

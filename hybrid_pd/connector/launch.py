@@ -281,7 +281,8 @@ def prefix_caching_default(spec: WorkerSpec, shape: ModelShape | None) -> tuple[
     Mamba2 layer's state at block boundaries: its chunked scan ignores ``return_intermediate_states``
     and the checkpoint store is a Triton kernel, so the first prompt longer than a block killed the
     engine (IndexError in mamba_mixer2). Our plugin replaces both in torch (:func:`engine_fix_env`).
-    vLLM 0.26 on GPU leaves it off for these models. A ``--vllm-arg`` may override the flag.
+    vLLM 0.26 on GPU leaves it off for these models, and so do we: with it on, single-turn TTFT was
+    22-31% longer on an H200 (docs/connector.md). A ``--vllm-arg`` may override the flag.
     """
     if spec.device != "cpu":
         return [], ()

@@ -23,6 +23,10 @@ each number read on its own:
   attention block's, or a Mamba layer's state if larger): a sequence holds a page per Mamba layer
   slot for its state and, per ``block_tokens`` tokens, a page per attention layer slot. The cache
   holds ``cache_bytes``; so the state slots bound a worker's concurrency as well as KV does.
+  With prefix caching in vLLM's Mamba cache mode ``all`` (vLLM 0.26's default for Nemotron-H when
+  caching is on) a sequence keeps its state at every block: a page per Mamba layer slot *per
+  block* as well (on an H200, 8 GiB held 16.25 sequences of 4096 tokens, not 50.4). ``align``
+  keeps one running state, as ``none`` does.
 - **Scheduler** (``max_num_seqs``, ``max_num_batched_tokens``): the vLLM settings the profile was
   measured with; its step times hold for them.
 - **Tensor parallelism** (``tensor_parallel_size``): the GPUs of the worker measured. Every figure
@@ -39,6 +43,7 @@ import functools
 import json
 import math
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -90,6 +95,7 @@ class Profile(_Frozen):
     handoff_ms: float = Field(ge=0)
     transfer: Transfer
     tensor_parallel_size: int = Field(1, gt=0)  # the worker's GPUs
+    mamba_cache_mode: Literal["none", "align", "all"] = "none"  # vLLM's (cache_config_info): "all" keeps a state per block
 
     @field_validator("prompt_latency_ms")
     @classmethod
@@ -127,11 +133,15 @@ class Profile(_Frozen):
         return self.transfer.ms(self.transfer_plan(prompt_tokens, decode_cached).total_bytes)
 
     def memory_layout(self) -> tuple[int, int]:
-        """(bytes a sequence's state holds, bytes each ``block_tokens`` of its tokens hold) in vLLM's hybrid KV cache."""
+        """(bytes a sequence's state holds, bytes each ``block_tokens`` of its tokens hold) in vLLM's hybrid KV cache.
+
+        In Mamba cache mode ``all`` the state is held per block: nothing once, both per block.
+        """
         tp = self.tensor_parallel_size  # the worker's ranks together
         one = _plan(self.shape, self.block_tokens + 1, self.block_tokens, 0, tp, tp)  # a prompt that moves exactly one block
         page = max(one.kv_bytes_per_attention_layer, one.conv_bytes_per_mamba_layer + one.ssm_bytes_per_mamba_layer)
-        return page * one.mamba_layers_moved, page * one.attention_layers_moved
+        state, block = page * one.mamba_layers_moved, page * one.attention_layers_moved
+        return (0, state + block) if self.mamba_cache_mode == "all" else (state, block)
 
     def memory_bytes(self, tokens: int) -> int:
         """The KV cache a sequence of ``tokens`` tokens holds."""

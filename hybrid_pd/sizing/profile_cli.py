@@ -68,6 +68,10 @@ def add_profile_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentP
         "--block-tokens", type=at_least(1), metavar="N",
         help="vLLM's attention block for this model (default: the smallest multiple of 16 whose page holds a Mamba layer's state, as on GPU)",
     )  # fmt: skip
+    p.add_argument(
+        "--mamba-cache-mode", choices=("none", "align", "all"),
+        help="vLLM's Mamba cache mode on the server (default: its vllm:cache_config_info; 'all' keeps a state per block, which prefix caching sets on GPU)",
+    )  # fmt: skip
     p.add_argument("--model-config", type=Path, metavar="config.json", help="the model's config (default: config.json of the model directory /v1/models names)")
     p.add_argument("--device", default="unknown device", help="what the profile says it ran on, e.g. 'NVIDIA H100 80GB HBM3'")
     p.add_argument("--quick", action="store_true", help="a small plan: short prompts, small batches (a CPU smoke)")
@@ -120,6 +124,7 @@ async def _profile(args: argparse.Namespace, base: Profile) -> tuple[Profile, Me
         entry = await model_entry(client, args.url)
         version = await _version(client, args.url)
         per_gpu = None if args.cache_bytes else await measure.cache_info(client, args.url, "kv_cache_memory_bytes")
+        mamba_cache_mode = args.mamba_cache_mode or await measure.cache_info(client, args.url, "mamba_cache_mode") or "none"
         router_entry = await model_entry(client, args.transfer_router) if args.transfer_router else None
     cache = args.cache_bytes or (int(per_gpu) * args.tensor_parallel_size if per_gpu is not None else None)  # vLLM's is per GPU
     if cache is None:
@@ -128,10 +133,14 @@ async def _profile(args: argparse.Namespace, base: Profile) -> tuple[Profile, Me
     if config is None or not Path(config).is_file():
         raise _Usage(f"--model-config: {args.url} serves {entry['id']!r}, whose config.json is not readable here; give its path")
     shape = model_shape(config)
+    if mamba_cache_mode not in ("none", "align", "all"):
+        raise _Usage(f"{args.url} reports Mamba cache mode {mamba_cache_mode!r}, which the profile does not model (none, align, all)")
+    block = args.block_tokens or attention_block_tokens(shape, _block_alignment(Path(config), mamba_cache_mode))
+    log.info("Mamba cache mode %s, attention block %d tokens%s", mamba_cache_mode, block, "" if args.block_tokens else " (vLLM's rule; --block-tokens sets it)")
     settings = Settings(
-        model=f"{entry['id']} ({entry.get('root', '?')}), vLLM {version}", device=args.device, shape=shape,
-        block_tokens=args.block_tokens or attention_block_tokens(shape), cache_bytes=cache,
+        model=f"{entry['id']} ({entry.get('root', '?')}), vLLM {version}", device=args.device, shape=shape, block_tokens=block, cache_bytes=cache,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, tensor_parallel_size=args.tensor_parallel_size,
+        mamba_cache_mode=mamba_cache_mode,
     )  # fmt: skip
     server_profile = settings.draft(base)
     plan = (QUICK if args.quick else FULL).shaped(server_profile, int(entry.get("max_model_len") or 1 << 20))
@@ -175,6 +184,16 @@ async def _measure(plan: Plan, server: measure.Server, settings: Profile, router
                 error = f"{type(exc).__name__}: {exc}"
                 log.warning("transfer not measured, the base profile's kept: %s", error)
     return Measurements(lone, plan.burst_prompt_len, requests, bursts, decode, transfers, error)
+
+
+def _block_alignment(config: Path, mamba_cache_mode: str) -> int:
+    """What vLLM's attention block is a multiple of: the Mamba chunk when it caches Mamba states (1152 = 9 x 128 tokens
+    for Nemotron-H-8B with prefix caching on an H200, vLLM 0.26; 1040 without), else 16."""
+    if mamba_cache_mode == "none":
+        return 16
+    cfg = json.loads(config.read_text())
+    cfg = cfg.get("text_config", cfg)
+    return int(cfg.get("mamba_chunk_size") or cfg.get("chunk_size") or 16)
 
 
 async def _version(client: httpx.AsyncClient, url: str) -> str:

@@ -52,8 +52,9 @@ class Plan:
         """The plan within the server's model length (``server``: a profile of its settings)."""
         limit = max_model_len - 1
         longest = max(self.decode_rows)
+        lone = max_model_len - 2  # the transfers are measured at these lengths too, with 2 output tokens (a P/D request decodes)
         return replace(
-            self, max_model_len=max_model_len, prompt_lens=tuple(sorted({min(n, limit) for n in self.prompt_lens})), burst_prompt_len=min(self.burst_prompt_len, limit),
+            self, max_model_len=max_model_len, prompt_lens=tuple(sorted({min(n, lone) for n in self.prompt_lens})), burst_prompt_len=min(self.burst_prompt_len, limit),
             decode_prompt_lens=tuple(sorted({max(1, min(n, limit - self.output_len_for(longest, n, server))) for n in self.decode_prompt_lens})),
         )  # fmt: skip
 
@@ -93,8 +94,12 @@ class Plan:
 
 
 def _fitting(server: Profile, tokens: int) -> int:
-    """How many sequences of ``tokens`` tokens the server's KV cache holds at once."""
-    return max(1, server.cache_bytes // server.memory_bytes(tokens))
+    """How many sequences of ``tokens`` tokens the server's KV cache holds at once.
+
+    Less one attention block: vLLM keeps a block of its pool as the null block (an H200 profile
+    asked 72 rows of 355 tokens of 8 GiB that held 71, and one request waited every try).
+    """
+    return max(1, (server.cache_bytes - server.memory_layout()[1]) // server.memory_bytes(tokens))
 
 
 FULL = Plan((128, 512, 1024, 2048, 4096, 8192), 3, 2048, 8, (256, 3000), (1, 8, 32, 64, 128), 96)
@@ -113,12 +118,14 @@ class Settings:
     max_num_seqs: int
     max_num_batched_tokens: int
     tensor_parallel_size: int = 1
+    mamba_cache_mode: str = "none"
 
     def draft(self, base: Profile) -> Profile:
         """A profile of these settings, the rest from ``base`` until fitted."""
         return base.model_copy(update={"model": self.model, "device": self.device, "shape": self.shape, "block_tokens": self.block_tokens,
                                        "cache_bytes": self.cache_bytes, "max_num_seqs": self.max_num_seqs,
-                                       "max_num_batched_tokens": self.max_num_batched_tokens, "tensor_parallel_size": self.tensor_parallel_size})  # fmt: skip
+                                       "max_num_batched_tokens": self.max_num_batched_tokens, "tensor_parallel_size": self.tensor_parallel_size,
+                                       "mamba_cache_mode": self.mamba_cache_mode})  # fmt: skip
 
 
 def attention_block_tokens(shape: ModelShape, align: int = 16) -> int:
