@@ -142,3 +142,15 @@ def test_a_server_that_caches_mamba_states_per_block_gets_a_profile_of_that_mode
     assert profile.mamba_cache_mode == "all" and profile.block_tokens == attention_block_tokens(profile.shape, chunk)
     assert profile.block_tokens % chunk == 0 and profile.block_tokens >= attention_block_tokens(profile.shape)
     assert profile.memory_layout()[0] == 0, "every block holds a state as well"
+
+
+def test_a_mamba_cache_mode_the_profile_does_not_model_is_a_usage_error(tmp_path, capsys):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text((BASE_PROFILE.parent.parent.parent.parent / "models" / "hybrid-pd-tiny" / "config.json").read_text())
+    metrics_text = METRICS.replace('engine="0",', 'engine="0",mamba_cache_mode="some_new_mode",', 1)
+    with serving(stand_in(str(model), [], metrics_text)) as url:
+        argv = ["profile", "--quick", "--url", url, "--out", str(tmp_path / "p.json"), "--max-num-seqs", "8", "--max-num-batched-tokens", "2048"]
+        assert main(argv) == 2
+    assert "Mamba cache mode 'some_new_mode', which the profile does not model (none, align, all)" in capsys.readouterr().err
+    assert not (tmp_path / "p.json").exists()

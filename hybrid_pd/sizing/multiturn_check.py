@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = compare(profile, json.loads(args.run.read_text()))
     print(markdown(rows))
     if args.json_out is not None:
-        args.json_out.write_text(json.dumps({"profile": str(args.profile), "run": str(args.run), "block_tokens": profile.block_tokens,
+        args.json_out.write_text(json.dumps({"profile": os.path.relpath(args.profile), "run": os.path.relpath(args.run), "block_tokens": profile.block_tokens,
                                              "mamba_cache_mode": profile.mamba_cache_mode, "rows": rows}, indent=1) + "\n")  # fmt: skip
     return 0
 

@@ -43,13 +43,16 @@ import functools
 import json
 import math
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from hybrid_pd.connector.plan import ModelShape, TransferPlan, plan_transfer
 
-__all__ = ["DecodeStep", "Profile", "ProfileError", "Profiles", "Transfer", "profile_set"]
+__all__ = ["MAMBA_CACHE_MODES", "DecodeStep", "MambaCacheMode", "Profile", "ProfileError", "Profiles", "Transfer", "profile_set"]
+
+MambaCacheMode = Literal["none", "align", "all"]  # vLLM's CacheConfig.mamba_cache_mode
+MAMBA_CACHE_MODES: tuple[str, ...] = get_args(MambaCacheMode)
 
 
 class ProfileError(ValueError):
@@ -95,7 +98,7 @@ class Profile(_Frozen):
     handoff_ms: float = Field(ge=0)
     transfer: Transfer
     tensor_parallel_size: int = Field(1, gt=0)  # the worker's GPUs
-    mamba_cache_mode: Literal["none", "align", "all"] = "none"  # vLLM's (cache_config_info): "all" keeps a state per block
+    mamba_cache_mode: MambaCacheMode = "none"  # vLLM's (cache_config_info): "all" keeps a state per block
 
     @field_validator("prompt_latency_ms")
     @classmethod

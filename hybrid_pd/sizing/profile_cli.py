@@ -27,7 +27,7 @@ from hybrid_pd.common.arg_types import at_least, checked
 from hybrid_pd.connector.plan import PlanError, model_shape
 from hybrid_pd.sizing import measure
 from hybrid_pd.sizing.fitting import fit_transfer
-from hybrid_pd.sizing.profile import Profile, ProfileError
+from hybrid_pd.sizing.profile import MAMBA_CACHE_MODES, Profile, ProfileError
 from hybrid_pd.sizing.profiler import FULL, QUICK, Measurements, Plan, Settings, attention_block_tokens, fit_profile
 
 __all__ = ["BASE_PROFILE", "add_profile_parser", "run_profile"]
@@ -69,7 +69,7 @@ def add_profile_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentP
         help="vLLM's attention block for this model (default: the smallest multiple of 16 whose page holds a Mamba layer's state, as on GPU)",
     )  # fmt: skip
     p.add_argument(
-        "--mamba-cache-mode", choices=("none", "align", "all"),
+        "--mamba-cache-mode", choices=MAMBA_CACHE_MODES,
         help="vLLM's Mamba cache mode on the server (default: its vllm:cache_config_info; 'all' keeps a state per block, which prefix caching sets on GPU)",
     )  # fmt: skip
     p.add_argument("--model-config", type=Path, metavar="config.json", help="the model's config (default: config.json of the model directory /v1/models names)")
@@ -133,8 +133,8 @@ async def _profile(args: argparse.Namespace, base: Profile) -> tuple[Profile, Me
     if config is None or not Path(config).is_file():
         raise _Usage(f"--model-config: {args.url} serves {entry['id']!r}, whose config.json is not readable here; give its path")
     shape = model_shape(config)
-    if mamba_cache_mode not in ("none", "align", "all"):
-        raise _Usage(f"{args.url} reports Mamba cache mode {mamba_cache_mode!r}, which the profile does not model (none, align, all)")
+    if mamba_cache_mode not in MAMBA_CACHE_MODES:
+        raise _Usage(f"{args.url} reports Mamba cache mode {mamba_cache_mode!r}, which the profile does not model ({', '.join(MAMBA_CACHE_MODES)})")
     block = args.block_tokens or attention_block_tokens(shape, _block_alignment(Path(config), mamba_cache_mode))
     log.info("Mamba cache mode %s, attention block %d tokens%s", mamba_cache_mode, block, "" if args.block_tokens else " (vLLM's rule; --block-tokens sets it)")
     settings = Settings(

@@ -28,7 +28,7 @@ from hybrid_pd.connector.plan import ModelShape, plan_transfer
 from hybrid_pd.sizing.fitting import fit_decode_step, fit_transfer, match_throughput, prompt_latency_residue
 from hybrid_pd.sizing.layouts import Layout
 from hybrid_pd.sizing.measure import DecodePoint
-from hybrid_pd.sizing.profile import Profile, Transfer
+from hybrid_pd.sizing.profile import MambaCacheMode, Profile, Transfer
 from hybrid_pd.sizing.workload import Lengths, Workload
 
 __all__ = ["FULL", "QUICK", "Measurements", "Plan", "Settings", "attention_block_tokens", "burst_workload", "fit_profile"]
@@ -118,7 +118,7 @@ class Settings:
     max_num_seqs: int
     max_num_batched_tokens: int
     tensor_parallel_size: int = 1
-    mamba_cache_mode: str = "none"
+    mamba_cache_mode: MambaCacheMode = "none"
 
     def draft(self, base: Profile) -> Profile:
         """A profile of these settings, the rest from ``base`` until fitted."""
