@@ -154,3 +154,39 @@ def test_a_mamba_cache_mode_the_profile_does_not_model_is_a_usage_error(tmp_path
         assert main(argv) == 2
     assert "Mamba cache mode 'some_new_mode', which the profile does not model (none, align, all)" in capsys.readouterr().err
     assert not (tmp_path / "p.json").exists()
+
+
+def test_a_decode_point_that_never_decodes_together_is_left_out_and_said_and_too_few_points_are_an_error(tmp_path, capsys, monkeypatch):
+    """On an H200 a batch one row over what vLLM held never decoded together: the rest of the profile still stands."""
+    from hybrid_pd.sizing import measure
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text((BASE_PROFILE.parent.parent.parent.parent / "models" / "hybrid-pd-tiny" / "config.json").read_text())
+    real = measure.decode_point
+    largest = max(QUICK.decode_rows)
+
+    async def the_largest_batch_fails(pool, server, rows, prompt_len, output_lens, seed):
+        if rows == largest:
+            raise measure.MeasureError(f"{rows} requests of {prompt_len}+{list(output_lens)} tokens hardly decoded all at once")
+        return await real(pool, server, rows, prompt_len, output_lens, seed)
+
+    monkeypatch.setattr(measure, "decode_point", the_largest_batch_fails)
+    argv = ["profile", "--quick", "--url", "", "--out", str(tmp_path / "p.json"), "--measurements-json", str(tmp_path / "m.json"),
+            "--max-num-seqs", "8", "--max-num-batched-tokens", "2048", "--block-tokens", "128"]  # fmt: skip
+    with serving(stand_in(str(model), [])) as url:
+        argv[3] = url
+        assert main(argv) == 0, capsys.readouterr().err
+    profile, measured = Profile.load(tmp_path / "p.json"), json.loads((tmp_path / "m.json").read_text())
+    assert {d["rows"] for d in measured["decode"]} == set(QUICK.decode_rows) - {largest}
+    assert len(measured["decode_left_out"]) == len(QUICK.decode_prompt_lens)
+    assert f"decode points left out: {largest} requests of " in profile.source
+
+    async def every_batch_fails(pool, server, rows, prompt_len, output_lens, seed):
+        raise measure.MeasureError("never together")
+
+    monkeypatch.setattr(measure, "decode_point", every_batch_fails)
+    with serving(stand_in(str(model), [])) as url:
+        argv[3] = url
+        assert main(argv) == 2
+    assert "0 decode points decoded together, 3 fit a step: never together" in capsys.readouterr().err

@@ -33,6 +33,7 @@ from hybrid_pd.sizing.profiler import FULL, QUICK, Measurements, Plan, Settings,
 __all__ = ["BASE_PROFILE", "add_profile_parser", "run_profile"]
 
 log = logging.getLogger("hybrid_pd.sizing.profile")
+MIN_DECODE_POINTS = 3
 
 BASE_PROFILE = Path(__file__).resolve().parent.parent / "bench" / "results" / "2026-11-25-h100x2-sizing" / "profile.json"
 TIMEOUT_S = 600.0
@@ -155,8 +156,9 @@ async def _profile(args: argparse.Namespace, base: Profile) -> tuple[Profile, Me
         transfer = f"transfer through {args.transfer_router} not measured ({measured.transfer_error}), kept from {args.base.name}: {base.source}"
     else:
         transfer = f"transfer not measured (no --transfer-router: the server alone moves no state), kept from {args.base.name}: {base.source}"
+    left_out = f"; decode points left out: {'; '.join(measured.decode_left_out)}" if measured.decode_left_out else ""
     source = (f"measured by hybrid-pd profile{' --quick' if args.quick else ''} against {base_url(args.url)} on {when}; "
-              f"hand-off kept from {args.base.name} (one server has none); {transfer}")  # fmt: skip
+              f"hand-off kept from {args.base.name} (one server has none); {transfer}{left_out}")  # fmt: skip
     return fit_profile(measured, settings, base, source), measured
 
 
@@ -169,11 +171,17 @@ async def _measure(plan: Plan, server: measure.Server, settings: Profile, router
         requests = plan.burst_requests(settings)
         log.info("prefill bursts: %d x %d prompts of %d tokens", plan.repeats, requests, plan.burst_prompt_len)
         bursts = [await measure.burst_rps(pool, server, plan.burst_prompt_len, requests, seed + 100 + i) for i in range(plan.repeats)]
-        decode = []
+        decode, left_out = [], []
         for i, (n, rows) in enumerate(plan.decode_batches(settings)):
             outs = plan.decode_tries(rows, n, settings, measure.DECODE_TRIES)
             log.info("decode: %d rows of %d+%d tokens", rows, n, outs[0])
-            decode.append(await measure.decode_point(pool, server, rows, n, outs, seed + 200 + i))
+            try:
+                decode.append(await measure.decode_point(pool, server, rows, n, outs, seed + 200 + i))
+            except measure.MeasureError as exc:  # the other points still fit the step; the profile says which is missing
+                left_out.append(str(exc))
+                log.warning("decode point left out: %s", exc)
+        if len(decode) < MIN_DECODE_POINTS:  # a step of three terms needs three points
+            raise measure.MeasureError(f"{len(decode)} decode points decoded together, {MIN_DECODE_POINTS} fit a step: {'; '.join(left_out)}")
         transfers, error = [], None
         if router is not None:
             log.info("transfers through %s at %s tokens", router.url, plan.prompt_lens)
@@ -183,7 +191,7 @@ async def _measure(plan: Plan, server: measure.Server, settings: Profile, router
             except (measure.MeasureError, httpx.HTTPError, ValueError) as exc:  # the rest of the profile stands without it
                 error = f"{type(exc).__name__}: {exc}"
                 log.warning("transfer not measured, the base profile's kept: %s", error)
-    return Measurements(lone, plan.burst_prompt_len, requests, bursts, decode, transfers, error)
+    return Measurements(lone, plan.burst_prompt_len, requests, bursts, decode, transfers, error, left_out)
 
 
 def _block_alignment(config: Path, mamba_cache_mode: str) -> int:

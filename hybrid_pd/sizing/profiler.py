@@ -21,7 +21,7 @@ Memory and scheduler fields are the server's settings: ``--kv-cache-memory-bytes
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from hybrid_pd.connector.plan import ModelShape, plan_transfer
@@ -151,6 +151,7 @@ class Measurements:
     decode: list[DecodePoint]
     transfers: list[tuple[float, float]]  # (bytes, ms) per prompt length; empty: not measured
     transfer_error: str | None = None  # why the transfers asked for were not measured or not fitted (the base profile's is kept)
+    decode_left_out: list[str] = field(default_factory=list)  # decode points whose batch never decoded together, and why
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
