@@ -118,8 +118,8 @@ DECODE_TRIES = 3
 async def decode_point(pool: ClientPool, server: Server, rows: int, prompt_len: int, output_lens: Sequence[int], seed: int) -> DecodePoint:
     """``rows`` requests of ``prompt_len`` tokens sent together: their full batch's step, one try per output length."""
     for attempt, output_len in enumerate(output_lens):
-        prompts = random_prompts(rows, prompt_len, server.vocab_size, seed + 7919 * attempt)
-        step = full_batch_step(await _together(pool, server.completions, [Sampling(server.model, output_len).body(p) for p in prompts]))
+        prompts, sampling = random_prompts(rows, prompt_len, server.vocab_size, seed + 7919 * attempt), Sampling(server.model, output_len)
+        step = full_batch_step(await _together(pool, server.completions, [sampling.body(p) for p in prompts]))
         if step is not None:
             return DecodePoint(rows, prompt_len + step[0], step[1], prompt_len, output_len)
         log.warning("%d requests of %d+%d tokens did not decode together (try %d of %d)", rows, prompt_len, output_len, attempt + 1, len(output_lens))

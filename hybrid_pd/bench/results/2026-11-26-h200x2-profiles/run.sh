@@ -1,9 +1,15 @@
 #!/bin/bash
-# Device runs of 2026-11-26 (two GPUs): hybrid-pd profile of Nemotron-H-8B on the device, prefix caching
-# off and on, a TP-2 profile, and vllm bench serve against one GPU with caching off and on.
-# usage: bash gpu-run.sh A|B   (A: TP-1 profiles + benches; B: TP-2 profile)   results under $OUT
+# The runs of 2026-11-26 on two H200s (vLLM 0.26 from ../shared/gpu): hybrid-pd profile of Nemotron-H-8B,
+# prefix caching off and on, a TP-2 worker, and vllm bench serve against one GPU with caching off and on.
+# Run from the checkout's root on the GPU machine, after the kit's unpack + env.sh:
+#   bash run.sh pd [SEED_512 SEED_64]   # one GPU each: colocated off (GPU 0) and on (GPU 1), a flex P/D pair for the
+#                                       # transfer; profiles on then off; benches 1000/512 and 1000/64 (seeds 21 22;
+#                                       # the table's run 1 used 11 12)
+#   bash run.sh tp2                     # one colocated worker on both GPUs; its profile
+# Results go to one archive, $OUT/results.tgz (the machine returns 8 files a call). The calls ran earlier forms of
+# this script (servers reused between calls, --block-tokens given by hand); this is them cleaned up, not re-run.
 set -u
-STAGE=$1
+STAGE=$1 SEED_512=${2:-21} SEED_64=${3:-22}
 T0=$(date +%s)
 BUDGET=${BUDGET:-540}
 left() { echo $((BUDGET - ($(date +%s) - T0))); }
@@ -26,7 +32,6 @@ ready() { # port... : wait for /health of each, within the budget
     done
   done
 }
-block_of() { grep -o "attention block size to [0-9]*" "$1" | grep -o "[0-9]*$" | head -1; }
 profile() { # name url tp extra...
   local name=$1 url=$2 tp=$3; shift 3
   python3 -m hybrid_pd.cli profile --url $url --out $OUT/profile-$name.json --measurements-json $OUT/measured-$name.json \
@@ -48,62 +53,34 @@ if [ ! -f $M/config.json ]; then
   python3 -m hybrid_pd.models.families /tmp/full --full nemotron_h > $OUT/build.log 2>&1 || { log "build failed"; exit 1; }
 fi
 log "model ready"
+ROUTER=http://127.0.0.1:8110 FLEX_P=http://127.0.0.1:8102 FLEX_D=http://127.0.0.1:8103
 
-if [ "$STAGE" = A ]; then
-  if ! curl -sf 127.0.0.1:8110/health > /dev/null; then  # servers of an earlier call on this machine are reused
+if [ "$STAGE" = pd ]; then
   serve off 0 8100 colocated
   serve on 1 8101 colocated --vllm-arg=--enable-prefix-caching
   serve flexp 0 8102 flex --side-channel-port 5600
   serve flexd 1 8103 flex --side-channel-port 5601
   ready 8100 8101 8102 8103 || { stop_all; exit 1; }
-  log "servers ready"
-  setsid python3 -m hybrid_pd.cli router --port 8110 --local-prefill-below-tokens 0 --prefill http://127.0.0.1:8102 --decode http://127.0.0.1:8103 > $OUT/router.log 2>&1 &
+  setsid python3 -m hybrid_pd.cli router --port 8110 --local-prefill-below-tokens 0 --prefill $FLEX_P --decode $FLEX_D > $OUT/router.log 2>&1 &
   echo $! > /tmp/pid-router
-  ready 8110
-  fi
-  python3 -c "from hybrid_pd.router.health import wait_routed as w; import sys; sys.exit(0 if w('http://127.0.0.1:8110', {'http://127.0.0.1:8102', 'http://127.0.0.1:8103'}, 60, lambda: True) else 1)" || log "router does not route to both"
-  grep -h "attention block size" $OUT/*.log | sort | uniq -c > $OUT/blocks.txt || true
-  profile on http://127.0.0.1:8101 1 --block-tokens ${BT_ON:-$(block_of $OUT/on.log)} & P1=$!
-  profile off http://127.0.0.1:8100 1 --block-tokens ${BT_OFF:-$(block_of $OUT/off.log)} \
-    --transfer-router http://127.0.0.1:8110 --transfer-metrics http://127.0.0.1:8103
-  wait $P1
-  if [ "$(left)" -gt 110 ]; then
-    bench off 8100 1000 512 11 & P1=$!; bench on 8101 1000 512 11; wait $P1
-  fi
-  if [ "$(left)" -gt 60 ]; then
-    bench off 8100 1000 64 12 & P1=$!; bench on 8101 1000 64 12; wait $P1
-  fi
-  stop_all
-elif [ "$STAGE" = C ]; then  # the caching-on profile again (Mamba cache mode read from the server), benches again
-  serve off 0 8100 colocated
-  serve on 1 8101 colocated --vllm-arg=--enable-prefix-caching
-  serve flexp 0 8102 flex --side-channel-port 5600
-  serve flexd 1 8103 flex --side-channel-port 5601
-  ready 8100 8101 8102 8103 || { stop_all; exit 1; }
+  python3 -c "from hybrid_pd.router.health import wait_routed; import sys; sys.exit(not wait_routed('$ROUTER', {'$FLEX_P', '$FLEX_D'}, 90))" \
+    || log "the router does not route to both flex workers"
   log "servers ready"
-  setsid python3 -m hybrid_pd.cli router --port 8110 --local-prefill-below-tokens 0 --prefill http://127.0.0.1:8102 --decode http://127.0.0.1:8103 > $OUT/router.log 2>&1 &
-  echo $! > /tmp/pid-router
-  ready 8110
-  python3 -c "from hybrid_pd.router.health import wait_routed as w; import sys; sys.exit(0 if w('http://127.0.0.1:8110', {'http://127.0.0.1:8102', 'http://127.0.0.1:8103'}, 60, lambda: True) else 1)" || log "router does not route to both"
-  grep -h "attention block size\|KV cache size\|Maximum concurrency\|Mamba cache mode" $OUT/*.log | sort | uniq -c > $OUT/blocks.txt
   profile on http://127.0.0.1:8101 1
-  tail -3 $OUT/profile-on.log
-  profile off http://127.0.0.1:8100 1 --transfer-router http://127.0.0.1:8110 --transfer-metrics http://127.0.0.1:8103
-  tail -3 $OUT/profile-off.log
-  [ -n "${NO_BENCH:-}" ] || { bench off 8100 1000 512 21 & P1=$!; bench on 8101 1000 512 21; wait $P1; }
-  [ -n "${NO_BENCH:-}" ] || { bench off 8100 1000 64 22 & P1=$!; bench on 8101 1000 64 22; wait $P1; }
-  stop_all
+  profile off http://127.0.0.1:8100 1 --transfer-router $ROUTER --transfer-metrics $FLEX_D
+  for w in "512 $SEED_512" "64 $SEED_64"; do
+    set -- $w
+    bench off 8100 1000 $1 $2 & P1=$!
+    bench on 8101 1000 $1 $2
+    wait $P1  # not a bare wait: that would wait for the servers too
+  done
 else
   serve tp2 0,1 8100 colocated --tensor-parallel-size 2
-  serve on 1 8101 colocated --vllm-arg=--enable-prefix-caching
-  ready 8100 8101 || { stop_all; exit 1; }
-  log "tp2 and on ready"
-  grep -h "attention block size\|KV cache size\|Maximum concurrency" $OUT/*.log | sort | uniq -c > $OUT/blocks.txt
-  profile on http://127.0.0.1:8101 1 --block-tokens $(block_of $OUT/on.log)
-  tail -4 $OUT/profile-on.log
-  profile tp2 http://127.0.0.1:8100 2 --block-tokens $(block_of $OUT/tp2.log)
-  tail -4 $OUT/profile-tp2.log
-  stop_all
+  ready 8100 || { stop_all; exit 1; }
+  log "tp2 ready"
+  profile tp2 http://127.0.0.1:8100 2
 fi
+grep -h "attention block size\|KV cache size\|Maximum concurrency\|Mamba cache mode" $OUT/*.log | sort | uniq -c > $OUT/engines.txt
+stop_all
 log done
 tar czf /tmp/results.tgz -C $OUT . && rm -rf $OUT/* && mv /tmp/results.tgz $OUT/results.tgz
