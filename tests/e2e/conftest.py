@@ -15,6 +15,7 @@ import pytest
 from hybrid_pd.common.processes import free_port
 from hybrid_pd.default_model import resolve_model
 from hybrid_pd.stack import Stack, StackConfig
+from tests.e2e.support import make_handshakes
 
 
 @pytest.fixture(scope="session")
@@ -45,6 +46,7 @@ def stack(tmp_path_factory, nixl_trace_dir: Path, timeline_dir: Path) -> Stack:
         timeline_dir=timeline_dir,
     )
     with Stack(config) as running:
+        make_handshakes(running)
         yield running
 
 

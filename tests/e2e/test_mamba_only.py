@@ -17,7 +17,7 @@ import pytest
 from hybrid_pd.common.processes import free_port
 from hybrid_pd.default_model import resolve_model
 from hybrid_pd.stack import Stack, StackConfig
-from tests.e2e.support import metric, settled, wait_for
+from tests.e2e.support import make_handshakes, metric, settled, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -39,6 +39,7 @@ def mamba_stack(tmp_path_factory):
     stack = Stack(StackConfig(model=str(model_dir), served_model_name="mamba2-tiny", port=free_port(),
                               log_dir=tmp_path_factory.mktemp("mamba-logs"), ready_timeout_s=600))  # fmt: skip
     with stack:
+        make_handshakes(stack)
         yield stack
 
 
@@ -51,9 +52,6 @@ def test_pure_mamba_pd_equals_colocated_and_moves_state(mamba_stack):
     decode = httpx.Client(base_url=mamba_stack.workers("decode")[0].url, timeout=120)
     body = {"model": "mamba2-tiny", "max_tokens": 8, "temperature": 0, "logprobs": 1, "return_token_ids": True}
     with httpx.Client(timeout=180) as client:
-        # The first NIXL handshake can outlast vLLM's 5 s side-channel timeout on a busy 2-core
-        # machine; vLLM then recomputes locally. Warm it up, then count from a clean slate.
-        client.post(mamba_stack.url + "/v1/completions", json={**body, "prompt": "warm up the handshake"})
         for prompt in ("Hello world, this is a pure Mamba model", [7, 8, 9, 10] * 40):
             before = metric(decode, "vllm:nixl_xfer_time_seconds_count")
             failed = metric(decode, "vllm:nixl_num_failed_transfers_total")

@@ -2,10 +2,12 @@
 router, and the profile fed to ``hybrid-pd size``.
 
 A CPU smoke of the whole path, not of CPU speed: the profile is written in the format ``size``
-loads, every step and latency fitted is positive, the transfers it measured through the router
-moved the bytes ``hybrid-pd plan`` counts for each prompt length (vLLM's own counters; their times
-are latency-bound on CPU and fit a bandwidth in some runs only, the JSON says which), and
-``size`` lays out every layout from it. The colocated server serves nothing else meanwhile.
+loads, its step model is the fit of the decode points it measured and gives a row time (not the
+fit's values: in one CI run on two busy cores 8 rows took 35 ms a step where 4 rows took 5 ms, and
+the fitted base came out 0), the transfers it measured through the router moved the bytes
+``hybrid-pd plan`` counts for each prompt length (vLLM's own counters; their times are
+latency-bound on CPU and fit a bandwidth in some runs only, the JSON says which), and ``size`` lays
+out every layout from it. The colocated server serves nothing else meanwhile.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import json
 import pytest
 
 from hybrid_pd.cli import main
+from hybrid_pd.sizing.fitting import fit_decode_step
 from hybrid_pd.sizing.profile import Profile
 from hybrid_pd.sizing.profiler import QUICK
 from hybrid_pd.worker.settings import WorkerSettings
@@ -38,7 +41,8 @@ def test_profile_of_the_colocated_server_feeds_size(stack, tmp_path, capsys):
 
     assert profile.cache_bytes == 512 << 20  # the worker's --kv-cache-memory-bytes, read from vllm:cache_config_info
     assert profile.max_num_seqs == 8 and profile.block_tokens == CPU_BLOCK and "hybrid-pd-tiny" in profile.model
-    assert profile.decode.base_ms > 0 and profile.prefill_per_token_ms >= 0
+    assert profile.decode == fit_decode_step([(d["rows"], d["context"], d["step_ms"]) for d in measured["decode"]])
+    assert profile.step_ms(1, QUICK.prompt_lens[0], 0) > 0 and profile.prefill_per_token_ms >= 0
     assert [n for n, _ in profile.prompt_latency_ms] == list(QUICK.prompt_lens)
     assert len(measured["decode"]) >= 4 and {d["rows"] for d in measured["decode"]} >= {1, 4}
     # each prompt length's transfer moved, per request, what the plan of this profile counts to the byte
