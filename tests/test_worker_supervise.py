@@ -108,6 +108,18 @@ def test_a_process_reaped_before_it_was_seen_dead_still_counts():
     assert decision.failure == f"VLLM::EngineCore (pid {ENGINE}) is gone; its parent reaped it before its exit status could be read"
 
 
+def test_a_process_seen_exiting_then_reaped_is_named_with_its_title_from_before():
+    """Seen in a clean-clone CI run here (2026-11-26): the killed model worker was read once while exiting, not yet a zombie,
+    with an empty command line (the kernel drops it before the zombie state); its engine core reaped it before the
+    next look, and the worker named it "a process (pid ...)", not VLLM::Worker."""
+    group = serving_vllm()
+    exiting = group | {WORKER: proc(WORKER, "", ppid=ENGINE, state="R")}
+    reaped = {k: v for k, v in group.items() if k != WORKER}
+    decisions = run([see(group, 1), see(exiting, 1.2), see(reaped, 1.5)])
+    assert decisions[1] == Decision()
+    assert decisions[2].failure == f"VLLM::Worker (pid {WORKER}) is gone; its parent reaped it before its exit status could be read"
+
+
 @pytest.mark.parametrize(("returncode", "how"), [(1, "exited with status 1"), (-9, "was killed by SIGKILL")])
 def test_the_api_server_that_we_reaped_is_named_with_its_exit_code(returncode: int, how: str):
     group = serving_vllm()

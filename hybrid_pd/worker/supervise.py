@@ -122,7 +122,9 @@ class WatchState:
     """What :func:`judge` remembers between observations."""
 
     spawned_at: float
-    watched: Mapping[ProcKey, Proc] = field(default_factory=dict)  # long-lived processes, as last seen alive
+    # Long-lived processes as last seen alive, each with the last title read: an exiting process's command
+    # line reads empty before it is a zombie, and its parent may reap it before the next look.
+    watched: Mapping[ProcKey, Proc] = field(default_factory=dict)
     stopped_since: Mapping[ProcKey, float] = field(default_factory=dict)
     engine: EngineLoad | None = None
     progress_at: float | None = None  # serving: the engine's last progress, or last time it held no request
@@ -178,7 +180,8 @@ def _track(state: WatchState, obs: Observation, window_s: float) -> tuple[dict[P
         if (how := _death(before, obs, seen)) is not None:
             failures.append(how)
         else:
-            alive[key] = obs.group[before.pid]
+            now = obs.group[before.pid]
+            alive[key] = now if now.title else dataclasses.replace(now, title=before.title)
     for proc in obs.group.values():
         if not proc.zombie and watched(proc, obs.leader):
             alive.setdefault((proc.pid, proc.started), proc)
