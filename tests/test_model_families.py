@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from hybrid_pd.models.families import FAMILIES, build
+from hybrid_pd.models.families import FAMILIES, build, main, parse_args
 
 REGISTRY = Path(__import__("vllm").__file__).parent / "model_executor" / "models" / "registry.py"
 
@@ -40,6 +40,33 @@ def test_build_writes_fp32_weights_and_the_embedded_tokenizer(tmp_path):
     assert config["layers_block_type"].count("full_attention") == 1 and config["layers_block_type"].count("linear_attention") == 3
     assert (out / "tokenizer.json").exists() and (out / "model.safetensors").exists()
     assert len(json.loads((out / "tokenizer.json").read_text())["model"]["vocab"]) == 512
+
+
+def test_max_position_goes_into_config_json_and_changes_no_weight(tmp_path, capsys):
+    """``--max-position 65536`` instead of a hand edit of config.json: NemotronH has no position embedding, so the
+    checkpoint is the same but for the context vLLM accepts."""
+    from safetensors.torch import load_file
+
+    assert main([str(tmp_path / "long"), "nemotron_h", "--max-position", "65536"]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "long" / "nemotron_h")
+    default = build("nemotron_h", tmp_path / "default" / "nemotron_h")
+    long_config = json.loads((tmp_path / "long" / "nemotron_h" / "config.json").read_text())
+    default_config = json.loads((default / "config.json").read_text())
+    assert (long_config.pop("max_position_embeddings"), default_config.pop("max_position_embeddings")) == (65536, 4096)
+    assert long_config == default_config
+    long_weights, default_weights = load_file(tmp_path / "long" / "nemotron_h" / "model.safetensors"), load_file(default / "model.safetensors")
+    assert long_weights.keys() == default_weights.keys() and all((long_weights[k] == default_weights[k]).all() for k in long_weights)
+
+
+def test_the_cli_takes_one_scale_a_positive_max_position_and_known_families(capsys):
+    args = parse_args(["/tmp/full", "--full", "nemotron_h", "--max-position", "65536"])
+    assert (args.scale, args.families, args.max_position, args.mtp) == ("full", ["nemotron_h"], 65536, False)
+    assert (parse_args(["/tmp/x"]).scale, parse_args(["/tmp/x"]).max_position) == ("tiny", None)
+    for argv, error in ((["/tmp/x", "--full", "--published"], "not allowed with"), (["/tmp/x", "--max-position", "0"], "positive"),
+                        (["/tmp/x", "nemotron"], "unknown nemotron")):  # fmt: skip
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+        assert error in capsys.readouterr().err
 
 
 def test_qwen35_cannot_load_in_the_cpu_venv_as_recorded():

