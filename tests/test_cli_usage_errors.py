@@ -151,6 +151,10 @@ def cases(p: Paths, taken_port: int) -> dict[str, Case]:
         "size-request-too-long": Case(size(input_len="600000"), ("--input-len", "KV cache")),
         "size-json-is-a-folder": Case([*size(), "--json", str(p.empty_dir)], ("--json", "folder")),
         "size-two-profiles-of-one-size": Case([*size(), "--profile", str(PROFILE)], ("--profile", "two profiles of tensor_parallel_size 1")),
+        "size-phases-form": Case([*size(input_len=None, output_len=None, concurrency=None), "--phases", "1000/512"], ("--phases", "IN/OUT@C[xN]")),
+        "size-phases-and-lengths": Case([*size(), "--phases", "1000/512@8"], ("--phases", "leave out --input-len")),
+        "size-phases-two-counts": Case([*size(input_len=None, output_len=None, concurrency=None, gpus="2,4"), "--phases", "1000/512@8"], ("--phases", "one --gpus count")),
+        "size-phases-too-long": Case([*size(input_len=None, output_len=None, concurrency=None), "--phases", "600000/8@1"], ("--phases", "KV cache")),
         "size-gpus-without-a-layout": Case(size(profile=str(p.tp2_profile), gpus="2,3"), ("--gpus", "3 GPUs hold no layout", "[2]")),
     }
 

@@ -1,4 +1,4 @@
-"""Flexible workers through the router: served whole as replicas, split by phase when TTFT breaks its target (scripted workers)."""
+"""Flexible workers through the router: served whole as replicas, or in the roles the planner gives them (scripted workers)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,18 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import httpx
+import pytest
 
 from hybrid_pd.router.settings import RouterSettings
 from hybrid_pd.router.state import RouterState
+from hybrid_pd.sizing.profile import Profile
 from tests.router_support import KV, asgi_client, router_app
 
 FLEX_A, FLEX_B = "http://flex-a.test:1", "http://flex-b.test:2"
+H100_PROFILE = Path(__file__).parent.parent / "hybrid_pd/bench/results/2026-11-25-h100x2-sizing/profile.json"
 
 
 class FlexWorkers:
@@ -55,7 +59,7 @@ async def _router(workers: FlexWorkers, **settings: object) -> AsyncIterator[tup
 
 async def test_flexible_workers_serve_whole_requests_as_replicas():
     workers = FlexWorkers()
-    async with _router(workers, slo_ttft_ms=500.0, slo_tpot_ms=20.0) as (client, _):
+    async with _router(workers) as (client, _):
         body = {"model": "m", "prompt": "x" * 4000, "max_tokens": 3}
         answers = await asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(4)))
         assert [(r.status_code, r.json()["choices"][0]["text"]) for r in answers] == [(200, " decoded")] * 4
@@ -63,31 +67,87 @@ async def test_flexible_workers_serve_whole_requests_as_replicas():
     assert not [b for _, b in workers.calls if "kv_transfer_params" in b]  # no leg of either kind: colocated requests
     assert {host for host, _ in workers.calls} == {"flex-a.test", "flex-b.test"}  # both serve at once, as replicas
     assert _counter(metrics, "hybrid_pd_fallbacks_total", "replica") == 4
-    assert _counter(metrics, "hybrid_pd_disaggregated_total", "phase_split") == 0
-    assert "hybrid_pd_phase_split 0.0" in metrics
+    assert _counter(metrics, "hybrid_pd_disaggregated_total", "planner") == 0
+    assert "hybrid_pd_planner_prefill_workers 0.0" in metrics
 
 
-async def test_split_by_phase_one_flex_worker_prefills_and_the_other_pulls_the_state():
+async def test_in_the_planners_roles_one_flex_worker_prefills_and_the_other_pulls_the_state():
     workers = FlexWorkers()
-    async with _router(workers, slo_ttft_ms=500.0, slo_tpot_ms=20.0) as (client, state):
-        a, b = state.registry.role("flex")
-        held = [state.registry.lease(a, 10) for _ in range(4)] + [state.registry.lease(b, 10) for _ in range(2)]
-        now = time.perf_counter()
-        a.load.chunk_gap(0.008, now)  # both stream at 8 ms per token: room under 20 ms
-        b.load.chunk_gap(0.008, now)
-        for _ in range(state.settings.split_policy.window):
-            state.pairing.split.observe_ttft(time.perf_counter(), 0.9)  # the last requests' first tokens came 900 ms after they arrived
+    async with _router(workers) as (client, state):
+        state.planner.apply({FLEX_A: "decode", FLEX_B: "prefill"}, "test")
         r = await client.post("/v1/completions", json={"model": "m", "prompt": "x" * 4000, "max_tokens": 3})
         metrics = (await client.get("/metrics")).text
-        for lease in held:
-            lease.release()
+        shown = (await client.get("/planner")).json()
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == " decoded"
     (prefill_host, prefill), (decode_host, decode) = workers.calls
-    assert (prefill_host, decode_host) == ("flex-b.test", "flex-a.test")  # B, decoding fewer, prefills; A decodes
+    assert (prefill_host, decode_host) == ("flex-b.test", "flex-a.test")
     assert prefill["kv_transfer_params"]["do_remote_decode"] and decode["kv_transfer_params"]["remote_engine_id"] == KV["remote_engine_id"]
-    assert r.json()["usage"]["prompt_tokens"] == 5 and _counter(metrics, "hybrid_pd_disaggregated_total", "phase_split") == 1
-    assert "hybrid_pd_phase_split 1.0" in metrics
-    assert (a.load.decodes, b.load.decodes) == (0, 0)
+    assert r.json()["usage"]["prompt_tokens"] == 5 and _counter(metrics, "hybrid_pd_disaggregated_total", "planner") == 1
+    assert "hybrid_pd_planner_prefill_workers 1.0" in metrics and "hybrid_pd_planner_moves_total 1.0" in metrics
+    assert shown["layout"] == "1P1D" and shown["roles"] == {FLEX_A: "decode", FLEX_B: "prefill"}
+
+
+async def test_the_planner_moves_roles_from_the_traffic_it_measured(tmp_path):
+    """1000/512-token requests, 128 in flight, on four flexible workers under 500/20 ms: the simulator puts 1P3D first
+    (docs/sizing.md), and the planner gives one worker, the one decoding fewest, the prefills."""
+    flex = [f"http://flex-{i}.test:{i + 1}" for i in range(4)]
+    profile = tmp_path / "profile.json"
+    Profile.load(H100_PROFILE).model_copy(update={"cache_bytes": 14 << 30}).save(profile)
+    app = router_app(
+        FlexWorkers(), prefill=[], decode=[], flex=flex, slo_ttft_ms=500.0, slo_tpot_ms=20.0, planner_profile=str(profile),
+        planner_interval_s=0.2, planner_window_s=10.0,
+    )  # fmt: skip
+    state = app.state.router
+    async with app.router.lifespan_context(app):
+        for i, worker in enumerate(state.registry.all()):
+            state.registry.record_health(worker, ok=True)
+            worker.load.decodes = 40 - i  # the last one decodes fewest
+        traffic, now = state.planner.traffic, time.perf_counter()
+        for _ in range(128):
+            traffic.started(now - 10, 1000, 512)
+        for i in range(64):  # a closed loop: each one that ends is followed by the next
+            traffic.ended(now - 5 + i * 0.05, 1000, 512, 1000, 512)
+            traffic.started(now - 5 + i * 0.05, 1000, 512)
+        deadline = time.perf_counter() + 60  # the decision's process starts first
+        while state.planner.moves == 0 and time.perf_counter() < deadline:
+            await asyncio.sleep(0.1)
+        shown = state.planner.snapshot()
+    assert shown["layout"] == "1P3D", shown
+    assert shown["roles"] == {flex[0]: "decode", flex[1]: "decode", flex[2]: "decode", flex[3]: "prefill"}
+    assert {p["layout"] for p in shown["predictions"]} == {"4 flex", "1P3D", "2P2D", "3P1D"}
+
+
+async def test_a_router_with_a_leader_takes_its_roles():
+    workers = FlexWorkers()
+    leader = router_app(workers, prefill=[], decode=[], flex=[FLEX_A, FLEX_B])
+
+    async def both(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "leader.test":
+            async with asgi_client(leader) as client:
+                answer = await client.get(request.url.path)
+            return httpx.Response(answer.status_code, content=answer.content, headers={"content-type": "application/json"})
+        return workers(request)
+
+    follower = router_app(both, prefill=[], decode=[], flex=[FLEX_A, FLEX_B], planner_leader="http://leader.test:9", planner_interval_s=0.05)
+    async with leader.router.lifespan_context(leader), follower.router.lifespan_context(follower):
+        for app in (leader, follower):
+            for worker in app.state.router.registry.all():
+                app.state.router.registry.record_health(worker, ok=True)
+        leader.state.router.planner.apply({FLEX_A: "prefill", FLEX_B: "decode"}, "test")
+        deadline = time.perf_counter() + 10
+        while follower.state.router.pairing.roles != leader.state.router.pairing.roles and time.perf_counter() < deadline:
+            await asyncio.sleep(0.05)
+        async with asgi_client(follower) as client:
+            r = await client.post("/v1/completions", json={"model": "m", "prompt": "x" * 4000, "max_tokens": 3})
+    assert follower.state.router.pairing.roles == {FLEX_A: "prefill", FLEX_B: "decode"}
+    assert r.status_code == 200 and [host for host, _ in workers.calls] == ["flex-a.test", "flex-b.test"]  # A prefilled, B decoded
+
+
+def test_the_planner_needs_both_targets_and_one_brain():
+    with pytest.raises(ValueError, match="needs both targets"):
+        RouterSettings(flex=["http://f:1"], planner_profile="p.json", slo_ttft_ms=500.0)
+    with pytest.raises(ValueError, match="not both"):
+        RouterSettings(planner_profile="p.json", slo_ttft_ms=500.0, slo_tpot_ms=20.0, planner_leader="http://r:1")
 
 
 def test_flex_urls_are_checked_like_the_others():

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from hybrid_pd.common.openai_errors import OpenAIError
 from hybrid_pd.connector.compat import WorkerIdentity
 from hybrid_pd.router.metrics import RouterMetrics
 from hybrid_pd.router.pairing import Pairing, PrefillChoice
-from hybrid_pd.router.phase_split import PhaseSplit, SplitPolicy
 from hybrid_pd.router.policies import LeastOutstanding, RequestInfo
 from hybrid_pd.router.registry import Registry, Worker
 
@@ -24,8 +21,8 @@ def _registry(*workers: tuple[str, str], **identity: object) -> Registry:
     return registry
 
 
-def _pairing(registry: Registry, below_tokens: int = 0, limit: int = 2, policy: SplitPolicy = SplitPolicy()) -> Pairing:
-    return Pairing(registry, LeastOutstanding(), LeastOutstanding(), PhaseSplit(policy), below_tokens, limit)
+def _pairing(registry: Registry, below_tokens: int = 0, limit: int = 2) -> Pairing:
+    return Pairing(registry, LeastOutstanding(), LeastOutstanding(), below_tokens, limit)
 
 
 def test_the_decode_worker_is_an_available_untried_one_under_its_limit():
@@ -97,24 +94,21 @@ def test_flexible_workers_serve_whole_requests_and_prefill_for_dedicated_decoder
     assert pairing.prefill(f2, LONG) == PrefillChoice(None, "replica")  # no split: a flex worker serves it whole
 
 
-def test_split_by_phase_the_prefiller_prefills_for_the_other_flex_workers_and_decodes_nothing_new():
-    registry = _registry(("http://f1", "flex"), ("http://f2", "flex"))
-    f1, f2 = registry.role("flex")
-    pairing = _pairing(registry, limit=8, policy=SplitPolicy(ttft_s=0.5, tpot_s=0.02, window=2))
-    held = [registry.lease(f1, 100) for _ in range(3)] + [registry.lease(f2, 100) for _ in range(2)]
-    now = time.perf_counter()
-    f1.load.chunk_gap(0.008, now)
-    f2.load.chunk_gap(0.008, now)
-    for _ in range(2):
-        pairing.split.observe_ttft(time.perf_counter(), 0.8)  # TTFT past 500 ms, TPOT 8 ms: room
-    assert pairing.decode(LONG, tried=()) is f1  # f2, decoding fewer, became the prefiller: f1 decodes although busier
-    assert pairing.split.prefiller == f2.id
-    assert pairing.prefill(f1, LONG) == PrefillChoice(f2, "phase_split")
-    registry.record_health(f1, ok=False)  # the only other decoder gone: the prefiller decodes too, whole
+def test_the_planners_roles_prefillers_prefill_for_the_decoders_and_decode_nothing_new():
+    registry = _registry(("http://f1", "flex"), ("http://f2", "flex"), ("http://f3", "flex"))
+    f1, f2, f3 = registry.role("flex")
+    pairing = _pairing(registry, limit=8)
+    held = [registry.lease(f1, 100) for _ in range(3)] + [registry.lease(f3, 100) for _ in range(2)]
+    pairing.roles = {"http://f1": "decode", "http://f2": "prefill", "http://f3": "decode"}
+    assert pairing.decode(LONG, tried=()) is f3  # f2, the idlest, prefills: the least loaded decoder is f3
+    assert pairing.prefill(f3, LONG) == PrefillChoice(f2, "planner")
+    pairing.roles = {"http://f1": "decode", "http://f2": "prefill", "http://f3": "whole"}  # a worker with no split serves whole
+    assert pairing.prefill(f3, LONG) == PrefillChoice(None, "replica")
+    registry.record_health(f1, ok=False)
+    registry.record_health(f3, ok=False)  # every decoder gone: the prefiller decodes too, whole
     assert pairing.decode(LONG, tried=()) is f2 and pairing.prefill(f2, LONG) == PrefillChoice(None, "no_prefill_worker")
     for lease in held:
         lease.release()
-    assert (f1.load.decodes, f2.load.decodes) == (0, 0)
 
 
 def test_a_prefill_lease_is_no_decode():

@@ -36,3 +36,16 @@ def test_size_with_a_profile_per_worker_size_lays_out_both_sizes_and_mixes_them_
     assert [p["layout"] for p in out["predictions"]] == ["3 replicas", "3 flex", "1P2D", "1P(TP1)1D(TP2)", "2P1D", "1P(TP2)1D(TP1)"]
     assert [p["tensor_parallel_size"] for p in out["profiles"]] == [1, 2]
     assert "1P(TP2)1D(TP1)" in capsys.readouterr().out
+
+
+def test_size_phases_simulates_the_planner_against_every_fixed_layout(tmp_path, capsys):
+    tiny_profile().save(tmp_path / "profile.json")
+    argv = ["size", "--profile", str(tmp_path / "profile.json"), "--gpus", "3", "--phases", "100-300/20@8x40,2000/5@4x20",
+            "--slo-ttft-ms", "100", "--slo-tpot-ms", "8", "--json", str(tmp_path / "phases.json")]  # fmt: skip
+    assert main(argv) == 0
+    table = capsys.readouterr().out
+    assert [line.split()[0] for line in table.splitlines()[2:6]] == ["planner", "3", "1P2D", "2P1D"]
+    out = json.loads((tmp_path / "phases.json").read_text())
+    assert [p["layout"] for p in out["predictions"]] == ["planner", "3 replicas", "1P2D", "2P1D"]
+    assert all(p["completed"] == 60 for p in out["predictions"])
+    assert out["planner"] == {"interval_s": 2.0, "window_s": 10.0, "margin": 0.1} and isinstance(out["changes"], list)

@@ -207,10 +207,10 @@ def test_a_later_turn_through_pd_resumes_on_both_workers_and_pulls_only_the_bloc
 def test_conversations_stay_on_their_workers_while_the_load_allows_as_the_routers_prefix_reuse():
     loads = [simulate_module._Load() for _ in range(2)]
     loads[0].legs, loads[1].legs = simulate_module.PREFIX_LOAD_SLACK + 1, 1
-    assert simulate_module._pick(loads, 0) == 0, "within the slack: the worker holding the conversation"
+    assert simulate_module._pick(loads, [0, 1], 0) == 0, "within the slack: the worker holding the conversation"
     loads[0].legs += 1
-    assert simulate_module._pick(loads, 0) == 1, "beyond it: the least loaded"
-    assert simulate_module._pick(loads, None) == 1
+    assert simulate_module._pick(loads, [0, 1], 0) == 1, "beyond it: the least loaded"
+    assert simulate_module._pick(loads, [0, 1], None) == 1
 
 
 def test_multi_turn_caching_lowers_later_turns_ttft_and_every_turn_is_answered():

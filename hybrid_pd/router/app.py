@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from pathlib import Path
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
 from typing import Any
@@ -42,14 +43,16 @@ from hybrid_pd.router.health import health_body
 from hybrid_pd.router.jsoncodec import dumps, loads_strict
 from hybrid_pd.router.metrics import GENERATION, Route, RouterMetrics
 from hybrid_pd.router.pairing import Pairing
-from hybrid_pd.router.phase_split import PhaseSplit
-from hybrid_pd.router.policies import PolicyContext, make_policy
+from hybrid_pd.router.planner import Planner
+from hybrid_pd.router.policies import PolicyContext, RequestInfo, make_policy
 from hybrid_pd.router.registry import Registry, Worker
 from hybrid_pd.router.relay import answer_whole, relay_answers
 from hybrid_pd.router.route import decode_chunks, route_request
 from hybrid_pd.router.settings import RouterSettings
 from hybrid_pd.router.state import RouterState
+from hybrid_pd.router.traffic import TrafficWindow
 from hybrid_pd.router.upstream import AiohttpTransport, Upstream
+from hybrid_pd.sizing.profile import Profile
 
 __all__ = ["create_app", "RouterApp"]
 
@@ -101,12 +104,13 @@ def create_app(settings: RouterSettings, transport: httpx.AsyncBaseTransport | N
         registry,
         decode_policy=make_policy(settings.decode_policy, _policy_context(settings, metrics, "decode")),
         prefill_policy=make_policy(settings.prefill_policy, _policy_context(settings, metrics, "prefill")),
-        split=PhaseSplit(settings.split_policy),
         min_tokens=settings.local_prefill_below_tokens,
         per_worker_limit=settings.max_concurrency_per_worker,
     )
     register_signals(metrics.registry, registry, settings.max_concurrency_per_worker)
-    state = RouterState(settings=settings, registry=registry, metrics=metrics, pairing=pairing)
+    profile = Profile.load(Path(settings.planner_profile)) if settings.planner_profile is not None else None
+    planner = Planner(settings, registry, pairing, metrics, TrafficWindow(settings.planner_window_s), profile)
+    state = RouterState(settings=settings, registry=registry, metrics=metrics, pairing=pairing, planner=planner)
     timeout = httpx.Timeout(settings.request_timeout_s, connect=settings.connect_timeout_s)
 
     @asynccontextmanager
@@ -117,12 +121,15 @@ def create_app(settings: RouterSettings, transport: httpx.AsyncBaseTransport | N
         async with Upstream(transport or AiohttpTransport(keepalive_s=settings.upstream_keepalive_s), timeout) as upstream:
             state.upstream = upstream
             health = asyncio.create_task(registry.watch(upstream, settings.health_interval_s))
+            plans = asyncio.create_task(planner.run(upstream)) if planner.leads or settings.planner_leader else None
             try:
                 yield
             finally:
-                health.cancel()
-                with suppress(asyncio.CancelledError):
-                    await health
+                for task in (health, plans):
+                    if task is not None:
+                        task.cancel()
+                        with suppress(asyncio.CancelledError):
+                            await task
 
     app = RouterApp(state, title="hybrid-pd router", lifespan=lifespan)
     app.include_router(admin_routes(state))
@@ -148,8 +155,12 @@ def create_app(settings: RouterSettings, transport: httpx.AsyncBaseTransport | N
     @app.get("/metrics")
     async def prometheus() -> Response:
         metrics.evictions.set(registry.evictions)
-        metrics.phase_split.set(pairing.split.prefiller is not None)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/planner")
+    async def planner_state() -> JSONResponse:
+        """The flexible workers' roles by URL (what routers started with --planner-leader take), the layout and the last decision."""
+        return JSONResponse(planner.snapshot())
 
     return app
 
@@ -262,6 +273,10 @@ async def _generate(
     if state.inflight >= state.settings.max_concurrency:
         raise OpenAIError(429, f"the router is at its concurrency limit ({state.settings.max_concurrency})")
     state.inflight += 1
+    # What the planner measures (hybrid_pd/router/traffic.py): the estimates now, the workers' counts when the answer is done.
+    traffic, estimate, asked = state.planner.traffic, RequestInfo.from_body(body).est_tokens, _max_tokens(body)
+    traffic.started(arrived, estimate, asked)
+    usage: dict[str, Any] = {}
     try:
         # Until the answer is complete, nothing else reads from the client: a client that leaves
         # must cancel the legs, or the stream being relayed, here.
@@ -270,11 +285,11 @@ async def _generate(
             failed = next((r for r in routed if r.response.status_code != 200), None)
             whole: tuple[int, bytes] | None = None
             if failed is not None or not body.get("stream"):
-                whole = await answer_whole(state.metrics, routed, failed)
+                whole = await answer_whole(state.metrics, routed, failed, usage.update)
             else:
                 await client.send({"type": "http.response.start", "status": 200, "headers": [_SSE_TYPE, id_header]})
                 chunks_of = lambda answer: decode_chunks(state, path, answer, request_id)  # noqa: E731
-                await relay_answers(state.metrics, routed, chunks_of, body, arrived, route, client.send, state.pairing.split.observe_ttft)
+                await relay_answers(state.metrics, routed, chunks_of, body, arrived, route, client.send, usage.update)
         # The message that completes the answer goes out after the block: from then on a server's
         # receive says http.disconnect, which the block would take for the client leaving.
         if whole is None:
@@ -285,6 +300,13 @@ async def _generate(
         state.metrics.finished(route, "ok" if failed is None else f"http_{status}", arrived)
     finally:
         state.inflight -= 1
+        traffic.ended(time.perf_counter(), estimate, asked, usage.get("prompt_tokens"), usage.get("completion_tokens"))
+
+
+def _max_tokens(body: dict[str, Any]) -> int:
+    """The most tokens the request may generate, as the client asked (vLLM's default of 16 for completions when it did not)."""
+    asked = body.get("max_completion_tokens", body.get("max_tokens"))
+    return asked if isinstance(asked, int) and not isinstance(asked, bool) and asked > 0 else 16
 
 
 class _Client:

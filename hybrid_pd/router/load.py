@@ -2,7 +2,8 @@
 
 The gap between the chunks a worker streams, averaged over the last few hundred, is the time
 per output token (TPOT) its running requests see; prefills on that worker stretch it, which is
-the interference a split by phase removes (:mod:`hybrid_pd.router.phase_split`). A TPOT nobody
+the interference a split removes (the autoscaling signal reads it, :mod:`hybrid_pd.router.autoscale`;
+the planner reads the decodes in flight when it moves roles). A TPOT nobody
 refreshed for a second (no stream running there) reads unknown, not stale. Times are
 ``time.perf_counter()``.
 """

@@ -76,9 +76,18 @@ class RouterMetrics:
         self.disaggregated = Counter(
             "hybrid_pd_disaggregated", "Requests prefilled on another worker and pulled, by why (hybrid_pd/router/decider.py)", ["reason"], registry=r
         )
-        self.phase_split = Gauge(
-            "hybrid_pd_phase_split", "1 while the flexible workers are split by phase (hybrid_pd/router/phase_split.py), else 0", registry=r
+        self.planner_prefillers = Gauge(
+            "hybrid_pd_planner_prefill_workers",
+            "Flexible workers the planner has prefilling for the others now (0: every one serves whole requests; hybrid_pd/router/planner.py)",
+            registry=r,
         )
+        self.planner_predicted = Gauge(
+            "hybrid_pd_planner_predicted_goodput_per_gpu",
+            "The planner's last prediction of each layout's goodput per GPU, by its prefilling workers (0: every one serves whole requests)",
+            ["prefill_workers"],
+            registry=r,
+        )
+        self.planner_moves = Counter("hybrid_pd_planner_moves", "Times the planner gave the flexible workers new roles", registry=r)
         self.prefix_routes = Counter(
             "hybrid_pd_prefix_routes",
             "prefix_reuse choices, by role and outcome: hit (the worker that can resume most), miss (none can), balanced (the best was too busy)",
@@ -110,6 +119,7 @@ class RouterMetrics:
             self.prefix_reusable.labels(role)
             for outcome in PREFIX_OUTCOMES:
                 self.prefix_routes.labels(role, outcome)
+        self.planner_predicted.labels("0")
         for outcome in MIGRATION_OUTCOMES:
             self.migrations.labels(outcome)
         for status in REFUSALS:

@@ -9,22 +9,22 @@ worker, that can hand their state to it and are under the limit. The decider
 candidates qualify; the prefill policy picks among those. Having no prefill worker is not an
 error: the decode worker prefills locally.
 
-While the router splits its flexible workers by phase (:mod:`hybrid_pd.router.phase_split`),
-the prefiller is left out of the decode candidates (unless it is the only one left) and
-prefills for the others.
+Flexible workers take the roles the planner gives them (:mod:`hybrid_pd.router.planner`,
+``roles`` by worker URL): one that prefills is left out of the decode candidates (unless no
+other is left), one that decodes gets its prompts from those that prefill, and one with no
+role serves whole requests.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 from hybrid_pd.common.logs import kv
 from hybrid_pd.common.openai_errors import OpenAIError
 from hybrid_pd.router.decider import LocalReason, SplitReason, decide
-from hybrid_pd.router.phase_split import FlexLoad, PhaseSplit
+from hybrid_pd.sizing.planner import Role
 from hybrid_pd.router.policies import Policy, RequestInfo
 from hybrid_pd.router.registry import DECODERS, PREFILLERS, Registry, Worker, can_pair
 
@@ -42,15 +42,13 @@ class PrefillChoice:
 
 
 class Pairing:
-    """The pipeline over one registry, with a policy per role, the phase split of its flexible workers and a limit of legs in flight per worker."""
+    """The pipeline over one registry, with a policy per role, the planner's roles of its flexible workers and a limit of legs in flight per worker."""
 
-    def __init__(
-        self, registry: Registry, decode_policy: Policy, prefill_policy: Policy, split: PhaseSplit, min_tokens: int, per_worker_limit: int
-    ) -> None:
+    def __init__(self, registry: Registry, decode_policy: Policy, prefill_policy: Policy, min_tokens: int, per_worker_limit: int) -> None:
         self._registry = registry
         self._decode_policy = decode_policy
         self._prefill_policy = prefill_policy
-        self.split = split
+        self.roles: dict[str, Role] = {}  # flexible workers' roles by URL, the planner's; none: whole requests
         self._min_tokens = min_tokens
         self._limit = per_worker_limit
 
@@ -66,24 +64,19 @@ class Pairing:
         under_limit = self._under_limit(available)
         if not under_limit:
             raise OpenAIError(429, "every decode worker is at its concurrency limit")
-        prefiller = self._prefiller()
-        decoders = [w for w in under_limit if w.id != prefiller] or under_limit
+        decoders = [w for w in under_limit if self.roles.get(w.url) != "prefill"] or under_limit
         return self._decode_policy.choose(decoders, request)
 
     def prefill(self, decode: Worker, request: RequestInfo) -> PrefillChoice:
         """The prefill worker for ``request`` to be decoded on ``decode``, or why it is prefilled there."""
         candidates = {w.id: w for w in self._under_limit(compatible_prefills(self._registry, decode))}
-        decision = decide(request.est_tokens, decode.role == "flex", list(candidates), self._min_tokens, self.split.prefiller)
+        prefillers = {w.id for w in candidates.values() if self.roles.get(w.url) == "prefill"} if self.roles.get(decode.url) == "decode" else ()
+        decision = decide(request.est_tokens, decode.role == "flex", list(candidates), self._min_tokens, prefillers)
         if not decision.split:
             if decision.reason == "no_prefill_worker":
                 log.info("no compatible prefill worker available, local prefill %s", kv(decode=decode.url))
             return PrefillChoice(None, decision.reason)
         return PrefillChoice(self._prefill_policy.choose([candidates[i] for i in decision.prefill], request), decision.reason)
-
-    def _prefiller(self) -> str | None:
-        """The phase split brought up to date with the flexible workers' loads now; its prefiller."""
-        now = time.perf_counter()
-        return self.split.update(now, [FlexLoad(w.id, w.load.view(now)) for w in self._registry.role("flex") if w.available])
 
     def _under_limit(self, workers: Iterable[Worker]) -> list[Worker]:
         return [w for w in workers if w.inflight < self._limit]

@@ -37,6 +37,9 @@ __all__ = ["DecodeStream", "StreamBroke", "answer_whole", "merge_answers", "merg
 
 log = logging.getLogger("hybrid_pd.router")
 
+# Told the usage a client's answer carries (prompt and completion tokens): what the planner sizes by (hybrid_pd/router/traffic.py).
+UsageSeen = Callable[[dict[str, Any]], None]
+
 
 def merge_usage(prefill_usage: dict[str, Any] | None, decode_usage: dict[str, Any] | None) -> dict[str, Any] | None:
     """One usage for the client: prompt tokens (and cache hits) from prefill, completion from decode."""
@@ -98,12 +101,13 @@ class StreamBroke(Exception):
         self.worker, self.error = worker, type(error).__name__
 
 
-async def relay_one(stream: DecodeStream) -> AsyncIterator[bytes]:
+async def relay_one(stream: DecodeStream, usage_seen: UsageSeen = lambda usage: None) -> AsyncIterator[bytes]:
     """One decode stream's bytes as they arrive, cut after the last complete event of each read.
 
-    Only an event that carries a usage object is parsed (to merge the prefill's usage into it);
-    vLLM sends one, the last before its own ``[DONE]``, which goes to the client as it came.
-    A read that fails (``httpx.HTTPError``) is :class:`StreamBroke`; an event it cut is dropped.
+    Only an event that carries a usage object is parsed (to merge the prefill's usage into it,
+    and tell ``usage_seen`` the client's usage); vLLM sends one, the last before its own
+    ``[DONE]``, which goes to the client as it came. A read that fails (``httpx.HTTPError``)
+    is :class:`StreamBroke`; an event it cut is dropped.
     """
     pending = b""
     try:
@@ -114,8 +118,8 @@ async def relay_one(stream: DecodeStream) -> AsyncIterator[bytes]:
                 continue  # no complete event yet
             events, pending = pending[: end + 2], pending[end + 2 :]
             # vLLM writes compact JSON: a token event has no usage or "usage":null.
-            if stream.prefill_usage is not None and b'"usage":{' in events:
-                events = _merge_usage_events(events, stream.prefill_usage)
+            if b'"usage":{' in events:
+                events = _merge_usage_events(events, stream.prefill_usage, usage_seen)
             yield events
     except httpx.HTTPError as exc:
         raise StreamBroke(stream.worker, exc) from exc
@@ -123,19 +127,21 @@ async def relay_one(stream: DecodeStream) -> AsyncIterator[bytes]:
         yield pending
 
 
-def _merge_usage_events(events: bytes, prefill_usage: dict) -> bytes:
-    """``events`` (complete SSE events) with the prefill's usage merged into each usage object."""
+def _merge_usage_events(events: bytes, prefill_usage: dict | None, usage_seen: UsageSeen) -> bytes:
+    """``events`` (complete SSE events) with the prefill's usage (if any) merged into each usage object, which ``usage_seen`` is told."""
     out = []
     for event in events.split(b"\n\n"):
         if event.startswith(b"data: {") and b'"usage":{' in event:
             parsed = json.loads(event[6:])
-            parsed["usage"] = merge_usage(prefill_usage, parsed["usage"])
-            event = b"data: " + dumps(parsed)
+            usage = parsed["usage"] = merge_usage(prefill_usage, parsed["usage"])
+            usage_seen(usage)
+            if prefill_usage is not None:
+                event = b"data: " + dumps(parsed)
         out.append(event)
     return b"\n\n".join(out)
 
 
-async def relay_several(streams: Sequence[DecodeStream], body: dict, answer_id: str) -> AsyncIterator[bytes]:
+async def relay_several(streams: Sequence[DecodeStream], body: dict, answer_id: str, usage_seen: UsageSeen = lambda usage: None) -> AsyncIterator[bytes]:
     """Decode streams of one choice each, in the order of the client's choices, merged event by event into one answer.
 
     Stream ``i`` is choice ``i``; the usages are summed into one final usage event (id
@@ -177,17 +183,22 @@ async def relay_several(streams: Sequence[DecodeStream], body: dict, answer_id: 
             event["choices"] = [{**c, "index": i} for c in event.get("choices", [])]
             event.pop("usage", None)
             yield b"data: " + dumps(event) + b"\n\n"
-        if any(usages) and (body.get("stream_options") or {}).get("include_usage"):
-            tail = {"id": answer_id, "object": "text_completion", "choices": [], "usage": _sum_usage(usages, [s.prompt for s in streams])}
-            yield b"data: " + dumps(tail) + b"\n\n"
+        if any(usages):
+            total = _sum_usage(usages, [s.prompt for s in streams])
+            usage_seen(total)
+            if (body.get("stream_options") or {}).get("include_usage"):
+                yield b"data: " + dumps({"id": answer_id, "object": "text_completion", "choices": [], "usage": total}) + b"\n\n"
         yield b"data: [DONE]\n\n"
     finally:
         for task in pumps:
             task.cancel()
 
 
-async def answer_whole(metrics: RouterMetrics, routed: Sequence[Routed], failed: Routed | None) -> tuple[int, bytes]:
-    """A whole (non-streamed) answer, or the first failed answer's error as it came: (status, JSON). Closes every answer.
+async def answer_whole(
+    metrics: RouterMetrics, routed: Sequence[Routed], failed: Routed | None, usage_seen: UsageSeen = lambda usage: None
+) -> tuple[int, bytes]:
+    """A whole (non-streamed) answer, or the first failed answer's error as it came: (status, JSON). Closes every answer;
+    ``usage_seen`` is told the answer's usage.
 
     Each decode leg read whole is timed (``decode_leg``) when its last byte is in, as a streamed one is.
     """
@@ -202,7 +213,10 @@ async def answer_whole(metrics: RouterMetrics, routed: Sequence[Routed], failed:
         if failed is not None:
             return failed.response.status_code, await read(failed)
         answers = [json.loads(content) for content in await asyncio.gather(*(read(r) for r in routed))]
-        return 200, dumps(merge_answers(answers, [r.prefill_usage for r in routed], [r.prompt for r in routed]))
+        merged = merge_answers(answers, [r.prefill_usage for r in routed], [r.prompt for r in routed])
+        if merged.get("usage"):
+            usage_seen(merged["usage"])
+        return 200, dumps(merged)
     finally:
         for r in routed:
             await r.aclose()
@@ -216,20 +230,21 @@ async def relay_answers(
     arrived: float,
     route: Route,
     send: Send,
-    first_chunk: Callable[[float, float], None] = lambda arrived, seconds: None,
+    usage_seen: UsageSeen = lambda usage: None,
 ) -> None:
     """Stream the decode answer(s) to the client with merged usage, as ``http.response.body`` messages.
 
     ``chunks_of(answer)`` gives the bytes of one open answer (the route layer's: they may
     come from a migrated stream). The answer's start has been sent, its end is the caller's.
     Cancelling this (client gone) closes every upstream stream, which makes vLLM abort the
-    request. ``route`` labels the request in the metrics; ``arrived`` is when it reached the router.
+    request. ``route`` labels the request in the metrics; ``arrived`` is when it reached the router;
+    ``usage_seen`` is told the client's usage when the answer carries one.
     """
     streams = [DecodeStream(chunks_of(r), r.worker.url, r.prefill_usage, r.prompt) for r in routed]
     if len(streams) == 1:
-        chunks = relay_one(streams[0])
+        chunks = relay_one(streams[0], usage_seen)
     else:
-        chunks = relay_several(streams, body, routed[0].response.headers.get("x-request-id", ""))
+        chunks = relay_several(streams, body, routed[0].response.headers.get("x-request-id", ""), usage_seen)
     first, last = True, time.perf_counter()
     # One stream's chunk gaps are its decode worker's time per output token (hybrid_pd/router/load.py).
     paced = routed[0].worker.load if len(routed) == 1 else None
@@ -240,7 +255,6 @@ async def relay_answers(
                 now = time.perf_counter()
                 if first:
                     metrics.ttft.observe(now - arrived)
-                    first_chunk(arrived, now - arrived)
                     first = False
                 else:
                     metrics.itl.observe(now - last)

