@@ -25,6 +25,7 @@ from hybrid_pd.worker.supervise import (
     Windows,
     engine_load,
     judge,
+    long_lived,
     watched,
 )
 
@@ -159,6 +160,33 @@ def test_a_process_stopped_for_the_window_of_its_phase_ends_vllm():
     resumed = run([see(stopped, 1, ready_at=0, health_ok_at=1), see(group, 8, ready_at=0, health_ok_at=8), see(stopped, 9, ready_at=0, health_ok_at=9),
                    see(stopped, 18, ready_at=0, health_ok_at=18)])  # fmt: skip
     assert all(d.failure is None for d in resumed), "a SIGCONT starts the count again"
+
+
+def test_stalls_are_told_from_deaths_so_the_worker_dumps_the_stacks_of_the_stalled_ones_only():
+    """Issue #36: a stall (silent, stopped, unanswered, no progress) has living processes whose stacks say where it stuck."""
+    group = serving_vllm()
+    stopped = group | {WORKER: proc(WORKER, "VLLM::Worker", ppid=ENGINE, state="T")}
+    zombie = group | {WORKER: proc(WORKER, "", ppid=ENGINE, state="Z", status=signal.SIGKILL)}
+    assert run([see(group, 0), see(stopped, 1), see(stopped, 31)])[-1].stalled
+    assert run([see(group, 6, output_at=5.0), see(group, 35, output_at=5.0)])[-1].stalled
+    assert run([see(group, t, ready_at=1, health_ok_at=min(t, 3)) for t in (1, 3, 13)])[-1].stalled
+    died = run([see(group, 1), see(zombie, 1.5)])[-1]
+    assert died.failure is not None and not died.stalled
+    fatal = run([see(group, 0), see(group, 1, fatal_line="Exception in thread nixl_handshake_listener:")])[-1]
+    assert fatal.failure is not None and not fatal.stalled
+    assert not any(d.stalled for d in run([see(group, t, output_at=t) for t in (1, 2, 3)]))
+
+
+def test_the_processes_dumped_are_the_api_server_then_the_ones_vllm_names_oldest_first():
+    group = serving_vllm() | {
+        ENGINE: proc(ENGINE, "VLLM::EngineCore", started=5),
+        WORKER: proc(WORKER, "VLLM::Worker", ppid=ENGINE, started=7),
+        99: proc(99, "VLLM::Worker_TP1", ppid=ENGINE, started=8),
+        104: proc(104, "", ppid=ENGINE, state="Z"),
+    }
+    assert [(name, p.pid) for name, p in long_lived(group, API)] == [
+        ("vLLM's API server", API), ("VLLM::EngineCore", ENGINE), ("VLLM::Worker", WORKER), ("VLLM::Worker_TP1", 99),
+    ]  # fmt: skip
 
 
 def test_a_start_that_prints_nothing_for_the_window_is_hung_waiting_lines_aside():

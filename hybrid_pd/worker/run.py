@@ -35,6 +35,7 @@ from hybrid_pd.connector.model_check import check_model
 from hybrid_pd.connector.vllm.capabilities import checked
 from hybrid_pd.worker.registration import RouterLink, cache_facts, running_requests
 from hybrid_pd.worker.settings import WorkerSettings
+from hybrid_pd.worker.stacks import dump_stacks
 from hybrid_pd.worker.supervise import (
     HttpChecks,
     Observation,
@@ -42,6 +43,7 @@ from hybrid_pd.worker.supervise import (
     WatchState,
     Windows,
     judge,
+    long_lived,
 )
 
 __all__ = ["EXIT_VLLM_FAILED", "run_worker"]
@@ -55,6 +57,8 @@ EXIT_VLLM_FAILED = 3
 # How long a failed vLLM may take to stop on SIGTERM: one that lost a process may never finish its
 # own shutdown (its API server, mid-start, ignored SIGTERM for the 15 s a healthy stop gets).
 _FAILED_STOP_GRACE_S = 5.0
+# How long one process's stack dump may take (py-spy reads a vLLM process in ~0.1-0.5 s).
+_DUMP_TIMEOUT_S = 10.0
 
 
 def _side_channel_in_use(spec: WorkerSpec) -> str | None:
@@ -159,9 +163,11 @@ def run_worker(role: Role, settings: WorkerSettings) -> int:
     ready = False
     segments: set[str] = set()  # shared memory vLLM's processes mapped, removed if a failure leaves it behind
     failure: str | None = None
+    stalled = False
     while not stopping.is_set():
         state, decision = judge(state, _observe(proc, relay, checks), windows)
         if (failure := decision.failure) is not None:
+            stalled = decision.stalled
             break
         if decision.probe:
             checks.probe()
@@ -174,6 +180,8 @@ def run_worker(role: Role, settings: WorkerSettings) -> int:
     if failure is not None:
         relay.join(0.5)  # what a dying process wrote last may still be in the pipe
         log.error("vLLM ended (%s): %s; its last lines:\n%s", kv(role=role, pid=proc.pid), failure, _why_it_failed(relay.tail))
+        if stalled:  # where each process stands, before they are ended (issue #36)
+            log.error("where vLLM's processes stood (py-spy dump):\n%s", dump_stacks(long_lived(process_group(proc.pid), proc.pid), _DUMP_TIMEOUT_S))
         if link is not None:
             link.drain()
             link.deregister()

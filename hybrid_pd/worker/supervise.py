@@ -21,7 +21,8 @@ vLLM's process group and its progress, and ends vLLM the moment one of these hol
   for a remote KV transfer do not end a worker either: the probe runs beside them.
 
 :func:`judge` decides, a pure function of the state so far and one :class:`Observation`;
-:class:`OutputRelay` and :class:`HttpChecks` gather what observations hold.
+:class:`OutputRelay` and :class:`HttpChecks` gather what observations hold. A stall (not only a death) is
+flagged, and the worker logs the stacks of :func:`long_lived` processes before ending them (:mod:`hybrid_pd.worker.stacks`).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ __all__ = [
     "Windows",
     "engine_load",
     "judge",
+    "long_lived",
     "watched",
 ]
 
@@ -132,10 +134,16 @@ class WatchState:
 
 @dataclass(frozen=True)
 class Decision:
-    """``failure``: why vLLM is ended (one line), None while it works; ``probe``: send a one-token request now."""
+    """``failure``: why vLLM is ended (one line), None while it works; ``probe``: send a one-token request now.
+
+    ``stalled``: the failure is (also) a process of vLLM's that lives but does not go on (silent, stopped, not
+    ready, not answering, no engine progress), not only a death: the worker then logs where each process stands
+    (:mod:`hybrid_pd.worker.stacks`) before ending it.
+    """
 
     failure: str | None = None
     probe: bool = False
+    stalled: bool = False
 
 
 def watched(proc: Proc, leader: int) -> bool:
@@ -171,9 +179,11 @@ def _death(before: Proc, obs: Observation, seen: Mapping[int, Proc]) -> str | No
     return f"{who} is gone; its parent reaped it before its exit status could be read"
 
 
-def _track(state: WatchState, obs: Observation, window_s: float) -> tuple[dict[ProcKey, Proc], dict[ProcKey, float], list[str]]:
-    """The watched processes alive now, since when each stopped one is stopped, and the failures among them."""
-    failures = []
+def _track(
+    state: WatchState, obs: Observation, window_s: float
+) -> tuple[dict[ProcKey, Proc], dict[ProcKey, float], list[str], list[str]]:
+    """The watched processes alive now, since when each stopped one is stopped, the deaths among them and those stopped too long."""
+    failures, stalls = [], []
     alive: dict[ProcKey, Proc] = {}
     seen = {pid: proc for (pid, _), proc in state.watched.items()}
     for key, before in state.watched.items():
@@ -188,8 +198,8 @@ def _track(state: WatchState, obs: Observation, window_s: float) -> tuple[dict[P
     stopped = {key: state.stopped_since.get(key, obs.at) for key, proc in alive.items() if proc.stopped}
     for key, since in stopped.items():
         if obs.at - since >= window_s:
-            failures.append(f"{_name(alive[key], obs.leader, seen)} (pid {key[0]}) has been stopped (SIGSTOP) for {obs.at - since:.0f} s")
-    return alive, stopped, failures
+            stalls.append(f"{_name(alive[key], obs.leader, seen)} (pid {key[0]}) has been stopped (SIGSTOP) for {obs.at - since:.0f} s")
+    return alive, stopped, failures, stalls
 
 
 def _engine(state: WatchState, obs: Observation, window_s: float) -> tuple[float | None, list[str], bool]:
@@ -217,7 +227,7 @@ def judge(state: WatchState, obs: Observation, windows: Windows) -> tuple[WatchS
     """The state after ``obs`` and what to do: end vLLM (why, one line), probe it, or nothing."""
     serving = obs.ready_at is not None
     window_s = windows.serve_stall_s if serving else windows.start_stall_s
-    alive, stopped, failures = _track(state, obs, window_s)
+    alive, stopped, failures, stalls = _track(state, obs, window_s)
     if obs.fatal_line is not None:
         failures.insert(0, f"vLLM failed and will not become ready: {obs.fatal_line}")
     probe = False
@@ -225,17 +235,24 @@ def judge(state: WatchState, obs: Observation, windows: Windows) -> tuple[WatchS
     if not serving:
         silent = obs.at - max(obs.output_at, state.spawned_at)
         if silent >= windows.start_stall_s:
-            failures.append(f"vLLM printed nothing and did not answer /health for {silent:.0f} s while starting")
+            stalls.append(f"vLLM printed nothing and did not answer /health for {silent:.0f} s while starting")
         elif obs.at - state.spawned_at >= windows.ready_timeout_s:
-            failures.append(f"vLLM did not become ready within {windows.ready_timeout_s:.0f} s")
+            stalls.append(f"vLLM did not become ready within {windows.ready_timeout_s:.0f} s")
     else:
         healthy_at = max(obs.health_ok_at or 0.0, obs.ready_at or 0.0)
         if obs.at - healthy_at >= windows.serve_stall_s:
-            failures.append(f"vLLM's /health has not answered 200 for {obs.at - healthy_at:.0f} s")
-        progress_at, stalled, probe = _engine(state, obs, windows.serve_stall_s)
-        failures += stalled
+            stalls.append(f"vLLM's /health has not answered 200 for {obs.at - healthy_at:.0f} s")
+        progress_at, engine_stalls, probe = _engine(state, obs, windows.serve_stall_s)
+        stalls += engine_stalls
+    failures += stalls
     new = dataclasses.replace(state, watched=alive, stopped_since=stopped, engine=obs.engine, progress_at=progress_at)
-    return new, Decision("; ".join(failures) or None, probe and not failures)
+    return new, Decision("; ".join(failures) or None, probe and not failures, stalled=bool(stalls))
+
+
+def long_lived(group: Mapping[int, Proc], leader: int) -> list[tuple[str, Proc]]:
+    """vLLM's processes whose stacks say where it stands, by name: its API server, then the ones it names, oldest first."""
+    procs = sorted((p for p in group.values() if not p.zombie and watched(p, leader)), key=lambda p: (p.pid != leader, p.started, p.pid))
+    return [(_name(p, leader, {}), p) for p in procs]
 
 
 def engine_load(metrics_text: str) -> EngineLoad:

@@ -262,6 +262,13 @@ def test_a_model_worker_stopped_while_serving_ends_its_worker_after_the_window_a
     line, logged, _ = _ended(up, "prefill-0", stopped_at, pattern, SERVE_STALL_S + 30)
     print(f"\nserving SIGSTOP of VLLM::Worker: named {logged - stopped_at:.1f} s later: {line[24:]}")
     assert SERVE_STALL_S <= logged - stopped_at < SERVE_STALL_S + 5
+    # Issue #36: the stalled vLLM's processes' stacks follow, the stopped one's too (continued to read it).
+    _until("the stacks are in the log", lambda: "where vLLM's processes stood (py-spy dump)" in up.log("prefill-0"), 30)
+    stacks = up.log("prefill-0").split("where vLLM's processes stood (py-spy dump)", 1)[1]
+    for name in ("vLLM's API server", "VLLM::EngineCore", "VLLM::Worker"):
+        block = stacks.split(f"--- {name} (pid ", 1)[1].split("\n--- ", 1)[0]
+        assert "Thread " in block, f"{name}'s stack: {block[:2000]}"
+    print(f"the model worker's stack, dumped:\n{stacks.split('--- VLLM::Worker (pid ', 1)[1][:1500]}")
     psutil.wait_procs([service], timeout=30)
     print(f"worker service exited {time.time() - stopped_at:.1f} s after the stop")
     _until("up starts prefill-0 again", lambda: re.search(r"prefill-0 exited code=3: vLLM ended .*attempt=1/3", up.output()), 60)
