@@ -96,13 +96,15 @@ def test_the_routers_window_measures_the_arrivals_lengths_corrected_by_usage_and
     window = TrafficWindow(10.0)
     for _ in range(4):
         window.started(100.0, 500, 50)  # 500 tokens estimated from the text, max_tokens 50
-    window.ended(105.0, 500, 50, 1000, 50)  # the workers counted twice the estimate: three in flight from 105 s on
+    window.ended(105.0, 500, 50, 1000, 50)  # the workers counted twice the estimate: the first answer sets the correction
+    window.started(105.0, 500, 50)
+    window.ended(106.0, 500, 50, 500, 50)  # the next ones move it 1/20 of the way
     window.ended(106.0, 500, 50, None, None)  # failed: it tells nothing
-    window.started(106.0, 500, 50)
+    window.started(106.0, 500, 50)  # in flight: 4 from 100 s, 4 from 105 s, 3 from 106 s
     traffic = window.summary(110.0)
-    assert traffic is not None and traffic.requests == 5 and traffic.output == Lengths(50, 50)
-    assert traffic.prompt == Lengths(525, 525)  # one usage moves the estimate's correction 1/20 of the way: 500 x 1.05
-    assert traffic.concurrency == pytest.approx((4 * 5 + 3 * 1 + 3 * 4) / 10)
+    assert traffic is not None and traffic.requests == 6 and traffic.output == Lengths(50, 50)
+    assert traffic.prompt == Lengths(975, 975)  # 500 x (2 + (1 - 2) / 20)
+    assert traffic.concurrency == pytest.approx((4 * 5 + 4 * 1 + 3 * 4) / 10)
     assert window.summary(116.5) is None  # every arrival left the window
     window.ended(117.0, 500, 50, 500, 25)
     window.started(118.0, 2000, 100)

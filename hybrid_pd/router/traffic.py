@@ -4,7 +4,7 @@ The lengths are those of the requests that *arrived* in the window, so the plann
 traffic as it comes in, not once its slow requests are done (a 16000-token document under the
 wrong layout takes seconds to finish). At arrival the router knows only the client's text and
 ``max_tokens``; each request's usage, when its answer is done, says what the workers counted,
-and the ratios of counted to estimated (a moving average) scale the estimates of the arrivals.
+and the ratios of counted to estimated (the first answer's, then a moving average) scale the estimates of the arrivals.
 The load is the time-weighted mean of the requests in flight over the window, what ``vllm
 bench serve --max-concurrency`` holds fixed and the simulator's closed loop reproduces.
 O(1) per request; the summary walks the window. Times are ``time.perf_counter()``.
@@ -33,6 +33,7 @@ class TrafficWindow:
     _arrived: deque[tuple[float, int, int]] = field(default_factory=deque)  # (when, estimated prompt tokens, max_tokens)
     _changes: deque[tuple[float, int]] = field(default_factory=deque)  # (when, requests in flight from then on)
     _inflight: int = 0
+    _counted: bool = False  # an answer's usage has set the ratios
 
     def started(self, now: float, prompt_estimate: int, max_tokens: int) -> None:
         self._inflight += 1
@@ -44,8 +45,10 @@ class TrafficWindow:
         self._inflight -= 1
         self._changes.append((now, self._inflight))
         if prompt_tokens and completion_tokens:
-            self.prompt_ratio += _RATIO_WEIGHT * (prompt_tokens / max(1, prompt_estimate) - self.prompt_ratio)
-            self.output_ratio += _RATIO_WEIGHT * (completion_tokens / max(1, max_tokens) - self.output_ratio)
+            weight = _RATIO_WEIGHT if self._counted else 1.0
+            self.prompt_ratio += weight * (prompt_tokens / max(1, prompt_estimate) - self.prompt_ratio)
+            self.output_ratio += weight * (completion_tokens / max(1, max_tokens) - self.output_ratio)
+            self._counted = True
 
     def summary(self, now: float) -> Traffic | None:
         """The window's traffic (lengths as 10th-90th percentiles of the arrivals, corrected); None before any arrival in it."""
