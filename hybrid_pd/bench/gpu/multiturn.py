@@ -1,6 +1,6 @@
 """Multi-turn chat on the goodput runner's servers: hybrid-pd against colocated replicas, both with prefix caching on.
 
-The servers and routers are :mod:`hybrid_pd.bench.gpu.goodput`'s (same table, same start, same
+The servers and routers are :mod:`hybrid_pd.bench.gpu.goodput`'s (same systems, same start, same
 flags: everything after this runner's own flags goes to it), started with prefix caching on and
 the routers' policies as given; the conversations are :mod:`hybrid_pd.bench.multiturn`'s. Each
 system runs every level (conversations at once) on the same conversations; ``--salted`` systems
@@ -22,6 +22,7 @@ prints a line per run. Stop the servers with ``python3 -m hybrid_pd.bench.gpu.go
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import sys
@@ -86,9 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     args = goodput.parse_args(["run", *[a for a in rest if a != "--"]])
     args.out.mkdir(parents=True, exist_ok=True)
     state = goodput.up(args)
-    known = goodput.CPU_SYSTEMS if args.device == "cpu" else goodput.SYSTEMS
-    systems = [s for s in args.systems if s in state["systems"]]
-    gpus = 1 if args.device == "cpu" else 2
+    systems = args.systems
     low, _, high = own.user_tokens.partition("-")
     vocab = len(AutoTokenizer.from_pretrained(str(args.model)))  # built checkpoints carry our 512-token tokenizer
     spec = Conversations(own.conversations, own.turns, own.system_tokens, (int(low), int(high or low)), own.output_tokens, own.shared_system, vocab)
@@ -97,26 +96,29 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out / "multiturn"
     out.mkdir(exist_ok=True)
     rows = []
-    for system in systems:  # the first conversations after start compile and capture: not measured
-        measure(state["urls"][system], goodput.NAME, replace(spec, conversations=2, seed=99), 2, {}, args.slo, gpus)
     checks = {}
-    for system in systems if own.check else ():
-        checks[system] = equal_turns(state["urls"][system], state["urls"]["colocated0"], spec, own.check)
-        parted = [r for r in checks[system] if not r["equal"]]
-        print(f"{system}: {len(checks[system]) - len(parted)}/{len(checks[system])} turns equal to colocated0 without hits {parted}", flush=True)
-    for level in own.levels:
-        for system in systems:
-            groups = worker_groups(known[system], state["urls"])
-            for salted in (False, True) if system in own.salted else (False,):
-                # Fresh tokens per system and level, same lengths: pd and adaptive share servers, and every level would
-                # otherwise find the last one's conversations cached (measured: 158% of the ideal).
-                fresh = replace(spec, tag=f"{system}-c{level}")
-                result = measure(state["urls"][system], goodput.NAME, fresh, level, groups, args.slo, gpus, salt=salted, granule=granule)
-                row = {"system": system, "level": level, "salted": salted, **result}
-                name = f"{system}-c{level}{'-salted' if salted else ''}"
-                (out / f"{name}.json").write_text(json.dumps(row, indent=1))
-                print(f"{name}: {table(result['summary'])}{' errors: ' + repr(result['errors']) if result['errors'] else ''}", flush=True)
-                rows.append(row)
+    with contextlib.ExitStack() as stack:  # a router per system over the runner's servers, for the whole run
+        urls = {name: stack.enter_context(goodput.router(name, state["urls"], args.slo[0], args, args.out / "logs" / f"router-{name}-multiturn.log"))
+                for name in systems}  # fmt: skip
+        for system in systems:  # the first conversations after start compile and capture: not measured
+            measure(urls[system], goodput.NAME, replace(spec, conversations=2, seed=99), 2, {}, args.slo, args.gpus)
+        for system in systems if own.check else ():
+            checks[system] = equal_turns(urls[system], state["urls"]["colocated0"], spec, own.check)
+            parted = [r for r in checks[system] if not r["equal"]]
+            print(f"{system}: {len(checks[system]) - len(parted)}/{len(checks[system])} turns equal to colocated0 without hits {parted}", flush=True)
+        for level in own.levels:
+            for system in systems:
+                groups = worker_groups(goodput.system(system, args.gpus), state["urls"])
+                for salted in (False, True) if system in own.salted else (False,):
+                    # Fresh tokens per system and level, same lengths: pd and adaptive share servers, and every level would
+                    # otherwise find the last one's conversations cached (measured: 158% of the ideal).
+                    fresh = replace(spec, tag=f"{system}-c{level}")
+                    result = measure(urls[system], goodput.NAME, fresh, level, groups, args.slo, args.gpus, salt=salted, granule=granule)
+                    row = {"system": system, "level": level, "salted": salted, **result}
+                    name = f"{system}-c{level}{'-salted' if salted else ''}"
+                    (out / f"{name}.json").write_text(json.dumps(row, indent=1))
+                    print(f"{name}: {table(result['summary'])}{' errors: ' + repr(result['errors']) if result['errors'] else ''}", flush=True)
+                    rows.append(row)
     (out / "summary.json").write_text(json.dumps({"versions": goodput.versions(), "rows": rows, "checks": checks}, indent=1))
     failed = any(r["summary"]["failed"] for r in rows) or any(not r["equal"] for turns in checks.values() for r in turns)
     return 1 if failed else 0
