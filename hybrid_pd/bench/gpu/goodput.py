@@ -614,7 +614,7 @@ def run_phases(name: str, state: dict[str, Any], args: argparse.Namespace) -> bo
     row then keeps the phases before it and the error).
     """
     out = args.out / "phases"
-    router_slo = args.phases[0].target(args)
+    router_slo = args.phases_router_slo or args.phases[0].target(args)
     run_row: dict[str, Any] = {"system": name, "phases": [], "random_range_ratio": args.random_range_ratio, "router_slo": slo_label(router_slo)}
     parts = []
     try:
@@ -815,6 +815,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--levels", type=lambda s: [int(x) for x in s.split(",")], help="requests in flight (default with --workloads: 1,32)")
     ap.add_argument("--phases", type=_points, help="phase-shifting traffic: these points back to back through one router per system, e.g. "
                     "1000/512@64x480:500/20,16000/256@32x128:4000/15,1000/512@64x480:500/20")  # fmt: skip
+    ap.add_argument("--phases-router-slo", type=_slo, metavar="TTFT/TPOT", help="the routers' SLOs through the phases, the planner's targets "
+                    "(default: the first phase's); each phase is still judged at its own")  # fmt: skip
     ap.add_argument("--slo", action="append", type=_slo, help="TTFT/TPOT ms (repeatable; default 500/20 and 1500/50): the first is a point's "
                     "SLO where it names none; every pair is also reported")  # fmt: skip
     ap.add_argument("--random-range-ratio", type=float, default=0.0, help="vllm bench serve's: lengths uniform within +-this share (0: fixed)")

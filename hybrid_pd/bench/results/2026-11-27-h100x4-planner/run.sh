@@ -6,7 +6,8 @@
 #     2 prompts per request in flight, each system behind a router of its own per point; the planner's router first
 #     gets 1 prompt per request in flight of the same traffic to settle on (unmeasured, kept as the row's "settle");
 #   - phase-shifting traffic, back to back through one router per system: 1000/512 @ 64 -> 16000/256 @ 32 ->
-#     1000/512 @ 64, each phase judged at its SLO (the planner's router keeps the first phase's 500/20 throughout);
+#     1000/512 @ 64, each phase judged at its SLO (the planner's router serves to 4000/15 throughout: under it the chat's
+#     best layout is whole requests and the documents' 3P1D, as under each phase's own);
 #     PHASE_CHAT and PHASE_DOCS prompts (400, 128): ~25-40 s a phase at the replicas' rates of the first 2026-11-27
 #     run, up to ~65 s for the slowest split; 60-90 s phases would take ~5 more minutes than the budget has.
 # Device time, estimated from the 2026-11-27 run: kit calls ~2.5 min, model build + 8 servers ~5 min, warm-up ~0.5 min,
@@ -73,7 +74,7 @@ start)
 bench)
   running && { log "the bench runs already (pid $(cat $DIR/bench.pid))"; exit 1; }
   rm -f $DIR/bench.rc
-  setsid nohup bash -c "${RUNNER[*]} run ${COMMON[*]} --planner-profile $PROFILE --points $POINTS --prompts-per-in-flight 2 --settle-prompts-per-in-flight 1 --phases $PHASES; echo \$? > $DIR/bench.rc" \
+  setsid nohup bash -c "${RUNNER[*]} run ${COMMON[*]} --planner-profile $PROFILE --points $POINTS --prompts-per-in-flight 2 --settle-prompts-per-in-flight 1 --phases $PHASES --phases-router-slo 4000/15; echo \$? > $DIR/bench.rc" \
     >> $DIR/bench.out 2>&1 < /dev/null &
   echo $! > $DIR/bench.pid
   log "bench started (pid $(cat $DIR/bench.pid)): matrix $POINTS, phases $PHASES"
