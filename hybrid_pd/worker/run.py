@@ -154,7 +154,7 @@ def run_worker(role: Role, settings: WorkerSettings) -> int:
         signal.signal(sig, _stop)
 
     vllm_url = f"http://{settings.host}:{settings.port}"
-    windows = Windows(settings.start_stall_s, settings.serve_stall_s, settings.ready_timeout_s)
+    windows = Windows(settings.start_stall_s, settings.serve_stall_s, settings.ready_timeout_s, settings.device)
     # Ten checks a window: a failing /health is timed to a tenth of it.
     checks = HttpChecks(vllm_url, spec.served_model_name, interval_s=min(5.0, max(0.5, settings.serve_stall_s / 10)),
                         request_timeout_s=min(5.0, settings.serve_stall_s / 2))  # fmt: skip
@@ -221,6 +221,7 @@ def _observe(proc: subprocess.Popen, relay: OutputRelay, checks: HttpChecks) -> 
         leader=proc.pid,
         group=group,
         output_at=relay.output_at,
+        phase=relay.phase,
         leader_returncode=proc.poll(),
         fatal_line=relay.fatal_line,
         ready_at=checks.ready_at,

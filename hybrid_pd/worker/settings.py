@@ -85,11 +85,12 @@ class WorkerSettings(BaseSettings):
     heartbeat_interval_s: Annotated[float, ENV_ONLY] = Field(5.0, description="seconds between heartbeats to the router")
     drain_timeout_s: float = Field(30.0, description="on SIGTERM, wait this long for in-flight requests")
     # Why these defaults: docs/reliability.md (what start steps and serving were measured to take).
-    start_stall_s: float = Field(
-        300.0,
+    start_stall_s: float | None = Field(
+        None,
         gt=0,
-        description="a starting vLLM that prints nothing, or has a process stopped, for this many seconds is ended as "
-        "hung: the worker exits 3",
+        description="a starting vLLM whose start phase (weights, KV cache, HTTP server...) prints nothing, or that has "
+        "a process stopped, for this many seconds is ended as hung, the phase named: the worker exits 3 (default: each "
+        "phase's own budget, 90 s on CPU, 300 s on GPU)",
     )
     serve_stall_s: float = Field(
         60.0,

@@ -12,8 +12,10 @@ vLLM's process group and its progress, and ends vLLM the moment one of these hol
   zombie. Short-lived helpers (multiprocessing's resource tracker, compiler subprocesses, probes)
   may come and go: they are not watched;
 - one of those processes stays stopped (SIGSTOP) for the phase's window;
-- while starting: vLLM prints nothing for ``start_stall_s`` (lines that only say it is waiting for
-  another process do not count), or is not ready after ``ready_timeout_s``;
+- while starting: the phase vLLM's start is in (:data:`START_PHASES`: read from the lines that begin
+  each) prints nothing for its own budget on this device (lines that only say vLLM is waiting for another
+  process do not count; ``start_stall_s``, where set, is every phase's budget), or vLLM is not ready after
+  ``ready_timeout_s``;
 - while serving: /health does not answer 200 for ``serve_stall_s``, or vLLM's /metrics shows
   requests running or waiting and no engine progress for ``serve_stall_s``. vLLM sets those gauges at
   its engine steps, so a gauge can be stale on an idle engine: after half the window without
@@ -50,6 +52,8 @@ __all__ = [
     "HttpChecks",
     "Observation",
     "OutputRelay",
+    "START_PHASES",
+    "StartPhase",
     "WatchState",
     "Windows",
     "engine_load",
@@ -82,16 +86,70 @@ PROGRESS_METRICS = (
     "vllm:kv_cache_usage_perc",
 )
 
+
+
+@dataclass(frozen=True)
+class StartPhase:
+    """A step of vLLM's start, begun by a line it logs, with the longest silence it may keep on each device.
+
+    ``cpu_s``: on the 2-core CPU machine the longest silence measured in a phase was 50 s (a process's imports
+    while four servers started at once; docs/reliability.md), the engine's own steps a few seconds. ``cuda_s``: a
+    GPU's phases print as they go too (progress bars of weights and CUDA graphs redraw, each torch.compile range is
+    logged), but one range's compile or one large shard takes minutes: the 300 s window every phase had before.
+    """
+
+    name: str  # what vLLM is doing, as the verdict names it
+    begins: tuple[str, ...]  # a line with one of these begins it (none: the first phase, begun by the spawn)
+    cpu_s: float = 90.0
+    cuda_s: float = 300.0
+
+    def budget_s(self, device: str) -> float:
+        return self.cpu_s if device == "cpu" else self.cuda_s
+
+
+# vLLM 0.32's start, in order, as its lines show it (an API server, one engine core, its model workers). A phase is
+# left for a later one only: a later phase's line that comes early (another worker's, a repeated one) moves it on.
+START_PHASES = (
+    StartPhase("starting its API server (imports, configuration)", ()),
+    StartPhase("starting its engine core process", ("non-default args:",)),
+    StartPhase("starting its model worker processes", ("Initializing a V1 LLM engine",)),
+    StartPhase("loading the weights", ("Starting to load model",)),
+    StartPhase(
+        "profiling, allocating the KV cache and warming up (compile, registration)",
+        ("Loading weights took", "Model loading took"),
+    ),
+    StartPhase("capturing CUDA graphs", ("Capturing CUDA graphs",)),
+    StartPhase("starting its HTTP server", ("init engine (profile, create kv cache, warmup model) took",)),
+    StartPhase("answering /health", ("Application startup complete",)),
+)
+
+
+def start_phase(index: int, line: str) -> int:
+    """The start phase after ``line``, from phase ``index``: the latest one whose line it is, or ``index``."""
+    for later in range(len(START_PHASES) - 1, index, -1):
+        if any(mark in line for mark in START_PHASES[later].begins):
+            return later
+    return index
+
+
 ProcKey = tuple[int, int]  # (pid, start time): a pid the kernel handed out again is another process
 
 
 @dataclass(frozen=True)
 class Windows:
-    """How long each kind of silence may last (the worker's settings of the same names)."""
+    """How long each kind of silence may last (the worker's settings of the same names, and its device).
 
-    start_stall_s: float
+    ``start_stall_s``: every start phase's budget where set; None: each phase's own on ``device``.
+    """
+
+    start_stall_s: float | None
     serve_stall_s: float
     ready_timeout_s: float
+    device: str = "cpu"
+
+    def start_budget_s(self, phase: int) -> float:
+        """How long start phase ``phase`` (an index of :data:`START_PHASES`) may print nothing."""
+        return self.start_stall_s if self.start_stall_s is not None else START_PHASES[phase].budget_s(self.device)
 
 
 @dataclass(frozen=True)
@@ -110,6 +168,7 @@ class Observation:
     leader: int  # vLLM's API server, our child, whose pid is the group's id
     group: Mapping[int, Proc]  # every process of vLLM's group now, zombies included
     output_at: float  # when vLLM last printed something other than a waiting line
+    phase: int = 0  # the start phase its lines so far show (an index of START_PHASES)
     leader_returncode: int | None = None  # the API server's exit code once we reaped it (Popen's sign convention)
     fatal_line: str | None = None
     ready_at: float | None = None  # when /health first answered 200
@@ -226,16 +285,20 @@ def _engine(state: WatchState, obs: Observation, window_s: float) -> tuple[float
 def judge(state: WatchState, obs: Observation, windows: Windows) -> tuple[WatchState, Decision]:
     """The state after ``obs`` and what to do: end vLLM (why, one line), probe it, or nothing."""
     serving = obs.ready_at is not None
-    window_s = windows.serve_stall_s if serving else windows.start_stall_s
+    window_s = windows.serve_stall_s if serving else windows.start_budget_s(obs.phase)
     alive, stopped, failures, stalls = _track(state, obs, window_s)
+    if not serving:  # a process stopped mid-start: in which phase, and its budget
+        stalls = [f"{stall} while {START_PHASES[obs.phase].name} (the phase's budget: {window_s:.0f} s)" for stall in stalls]
     if obs.fatal_line is not None:
         failures.insert(0, f"vLLM failed and will not become ready: {obs.fatal_line}")
     probe = False
     progress_at = state.progress_at
     if not serving:
         silent = obs.at - max(obs.output_at, state.spawned_at)
-        if silent >= windows.start_stall_s:
-            stalls.append(f"vLLM printed nothing and did not answer /health for {silent:.0f} s while starting")
+        if silent >= window_s:
+            phase = START_PHASES[obs.phase].name
+            stalls.append(f"vLLM's start stuck {phase}: it printed nothing and did not answer /health for {silent:.0f} s "
+                          f"since its last line (the phase's budget: {window_s:.0f} s)")  # fmt: skip
         elif obs.at - state.spawned_at >= windows.ready_timeout_s:
             stalls.append(f"vLLM did not become ready within {windows.ready_timeout_s:.0f} s")
     else:
@@ -280,6 +343,7 @@ class OutputRelay:
     def __init__(self, stream: IO[bytes], tail_lines: int = 400) -> None:
         self.tail: deque[str] = deque(maxlen=tail_lines)
         self.output_at = time.monotonic()
+        self.phase = 0  # the start phase vLLM's lines so far show (START_PHASES)
         self.fatal_line: str | None = None
         # The attention block the engine chose for a hybrid ("Setting attention block size to N tokens"): where its
         # prefix-cache hits land, which its API server's metrics do not show (hybrid_pd.common.prom.prefix_hit_tokens).
@@ -304,6 +368,7 @@ class OutputRelay:
             for raw in lines:
                 line = raw.rstrip(b"\r").rsplit(b"\r", 1)[-1].decode(errors="replace")  # a redrawn bar's last state
                 self.tail.append(line)
+                self.phase = start_phase(self.phase, line)
                 if line.startswith(FATAL_LINES) and self.fatal_line is None:
                     self.fatal_line = line
                 self.attention_block = logged_attention_block(line) or self.attention_block
