@@ -35,6 +35,14 @@ class StackError(RuntimeError):
     """A service of the stack failed to start."""
 
 
+def _ready_timeout_s() -> float:
+    """How long ``up`` waits for a service: a worker's own ``--ready-timeout-s`` (declared once, in its settings) and a
+    minute for it to end a start that overran it and exit, so that ``up`` starts it again rather than give up first."""
+    from hybrid_pd.worker.settings import WorkerSettings  # the worker side, imported only where a stack is started
+
+    return WorkerSettings.model_fields["ready_timeout_s"].default + 60.0
+
+
 @dataclass(frozen=True)
 class StackConfig:
     """What to start. Ports of workers are picked free at start unless given."""
@@ -49,7 +57,7 @@ class StackConfig:
     device: str = "cpu"
     baseline: bool = False
     log_dir: Path = field(default_factory=lambda: Path.cwd() / ".hybrid-pd" / "logs")
-    ready_timeout_s: float = 900.0
+    ready_timeout_s: float = field(default_factory=_ready_timeout_s)
     worker_args: tuple[str, ...] = ()
     timeline_dir: Path | None = None  # the router and the P/D workers record the hand-off timeline here
     router_args: tuple[str, ...] = ()  # more flags of the router (its SLOs, say)

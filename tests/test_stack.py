@@ -183,3 +183,12 @@ def test_workers_stopped_on_purpose_or_refusing_their_settings_are_not_started_a
     finally:
         stack.stop()
     assert [_runs(tmp_path, name) for name in ("prefill-0", "decode-0", "router")] == [1, 1, 1]
+
+
+def test_up_waits_longer_than_a_worker_waits_for_its_own_vllm():
+    """A worker ends a start that overruns its phase budgets or --ready-timeout-s itself and exits 3, and `up` starts it
+    again (as Compose's start_period and the Kubernetes startup probe allow more than --ready-timeout-s): `up` must not
+    give up on a worker before the worker gives up on its vLLM."""
+    from hybrid_pd.worker.settings import WorkerSettings
+
+    assert _stack().config.ready_timeout_s >= WorkerSettings().ready_timeout_s + 30
