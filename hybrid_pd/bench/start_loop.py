@@ -15,6 +15,10 @@ Per run it records the seconds to the router's first 200, to ``hybrid-pd ready:`
 restarts, the one-token answers (200 and not), and why a stuck run was stuck. ``--code DIR`` runs
 another checkout of the project (its ``hybrid_pd`` first on PYTHONPATH, same interpreter): the
 code before a fix, from ``git worktree add``.
+
+It also reports the longest silence of each of vLLM's start phases over every worker log of the runs
+(:func:`longest_silences`, the phases of :mod:`hybrid_pd.worker.supervise`), which the CPU budgets are set by;
+``--silences-only`` reads the logs under ``--log-dir`` (of this loop or any other, e.g. an e2e run's) and starts nothing.
 """
 
 from __future__ import annotations
@@ -36,9 +40,15 @@ import httpx
 
 from hybrid_pd.common.processes import free_port
 
-__all__ = ["Run", "one_start", "main"]
+__all__ = ["Run", "longest_silences", "one_start", "main"]
 
 READY = "hybrid-pd ready:"
+# The times on a start's lines: the worker's own (2026-11-27 03:34:39,370), vLLM's (INFO 11-27 03:35:18), torch's (W1127 03:35:17.615).
+_STAMPS = (
+    re.compile(r"^\d{4}-(\d\d)-(\d\d) (\d\d):(\d\d):(\d\d)"),
+    re.compile(r" (?:DEBUG|INFO|WARNING|ERROR) (\d\d)-(\d\d) (\d\d):(\d\d):(\d\d) "),
+    re.compile(r"^[WIE](\d\d)(\d\d) (\d\d):(\d\d):(\d\d)"),
+)
 RESTART = re.compile(r"(\S+) exited code=\S+: .*starting it again")
 
 
@@ -146,6 +156,44 @@ def one_start(index: int, log_dir: Path, stuck_after_s: float, code: Path | None
     return run
 
 
+def _stamp(line: str) -> int | None:
+    """Seconds (within a year, to the second) at which a log line was written, None where it has no time."""
+    for pattern in _STAMPS:
+        if m := pattern.search(line):
+            month, day, hour, minute, second = map(int, m.groups())
+            return (((month * 31 + day) * 24 + hour) * 60 + minute) * 60 + second
+    return None
+
+
+def longest_silences(logs: list[Path]) -> dict[str, tuple[int, str]]:
+    """Per start phase, the longest time between two lines of a start that show progress, and the log line that ended it.
+
+    A start runs from the worker's ``starting vLLM`` line to its ``ready`` or ``vLLM ended`` line; a silence belongs to
+    the phase the start was in while it lasted. Lines without a time (progress bars) are skipped.
+    """
+    from hybrid_pd.worker.supervise import START_PHASES, WAITING_LINES, start_phase
+
+    longest: dict[str, tuple[int, str]] = {p.name: (0, "") for p in START_PHASES}
+    for log in logs:
+        phase, last = None, None
+        for line in log.read_text(errors="replace").splitlines():
+            if "starting vLLM role=" in line:
+                phase, last = 0, _stamp(line)
+                continue
+            if phase is None or any(mark in line for mark in WAITING_LINES):
+                continue
+            if "hybrid_pd.worker [-] ready role=" in line or "vLLM ended (" in line:
+                phase = None
+                continue
+            if (at := _stamp(line)) is not None and last is not None:
+                name = START_PHASES[phase].name
+                if at - last > longest[name][0]:
+                    longest[name] = (at - last, f"{log}: {line[:160]}")
+            phase = start_phase(phase, line)
+            last = at if at is not None else last
+    return longest
+
+
 def summary(runs: list[Run]) -> dict[str, object]:
     """The stuck-start rate and the times to ready of the runs that started."""
     ready = [r.ready_s for r in runs if r.ok and r.ready_s is not None]
@@ -165,7 +213,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-dir", type=Path, required=True, help="each run's logs go into LOG_DIR/run-N")
     parser.add_argument("--code", type=Path, help="another checkout of the project to run (first on PYTHONPATH)")
     parser.add_argument("--json", type=Path, help="write every run and the summary here")
+    parser.add_argument("--silences-only", action="store_true", help="only report the start phases' silences in the logs under --log-dir")
     args = parser.parse_args(argv)
+    if args.silences_only:
+        _print_silences(args.log_dir)
+        return 0
     runs: list[Run] = []
     for i in range(args.runs):
         run = one_start(i, args.log_dir, args.stuck_after_s, args.code)
@@ -175,7 +227,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             args.json.write_text(json.dumps({"summary": summary(runs), "runs": [asdict(r) for r in runs]}, indent=1) + "\n")
     print(json.dumps(summary(runs)), flush=True)
+    _print_silences(args.log_dir)
     return 0
+
+
+def _print_silences(log_dir: Path) -> None:
+    logs = sorted(p for p in log_dir.rglob("*.log") if p.name.split("-")[0] in ("prefill", "decode", "colocated", "flex"))
+    starts = sum(p.read_text(errors="replace").count("starting vLLM role=") for p in logs)
+    print(f"longest silence of each start phase over {starts} starts in {len(logs)} worker logs:")
+    for name, (seconds, line) in longest_silences(logs).items():
+        print(f"  {seconds:4d} s  {name}" + (f"  (ended by {line})" if line else ""))
 
 
 if __name__ == "__main__":
