@@ -418,5 +418,15 @@ def test_output_relay_reads_the_start_phase_from_vllms_lines():
             writer.write(line.encode() + b"\n")
             time.sleep(0.05)
             seen.append(relay.phase)
+        writer.write(b"\rCapturing CUDA graphs (mixed prefill-decode, PIECEWISE):  40%|####  | 4/10")
+        time.sleep(0.1)
+        seen.append(relay.phase)
     relay.join(5)
-    assert seen == [expected for expected, _ in CPU_START]
+    assert seen == [expected for expected, _ in CPU_START] + [7], "a later phase's bar never moves it back"
+    read_fd, write_fd = os.pipe()
+    with os.fdopen(read_fd, "rb") as stream, os.fdopen(write_fd, "wb", buffering=0) as writer:
+        relay = OutputRelay(stream)
+        writer.write(b"(Worker pid=3) INFO Loading weights took 0.09 seconds\n\rCapturing CUDA graphs (PIECEWISE):  40%|####  | 4/10")
+        time.sleep(0.2)
+        assert START_PHASES[relay.phase].name == "capturing CUDA graphs", "the bar's phase, before its newline"
+    relay.join(5)

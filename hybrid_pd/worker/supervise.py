@@ -362,7 +362,7 @@ class OutputRelay:
             else:  # a text stream without bytes underneath (a test's capture)
                 sys.stdout.write(chunk.decode(errors="replace"))
             *lines, pending = (pending + chunk).split(b"\n")
-            progress = b"\r" in pending  # a progress bar redrawn in place
+            progress = redrawing = b"\r" in pending  # a progress bar redrawn in place
             if (redrawn := pending.rfind(b"\r", 0, len(pending) - 1)) >= 0:
                 pending = pending[redrawn + 1 :]  # what a terminal would show of it
             for raw in lines:
@@ -373,6 +373,8 @@ class OutputRelay:
                     self.fatal_line = line
                 self.attention_block = logged_attention_block(line) or self.attention_block
                 progress = progress or not any(mark in line for mark in WAITING_LINES)
+            if redrawing:  # a bar being redrawn begins its phase before its newline (CUDA graphs)
+                self.phase = start_phase(self.phase, pending.decode(errors="replace"))
             if progress:
                 self.output_at = time.monotonic()
 
