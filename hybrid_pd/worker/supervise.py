@@ -92,8 +92,8 @@ PROGRESS_METRICS = (
 class StartPhase:
     """A step of vLLM's start, begun by a line it logs, with the longest silence it may keep on each device.
 
-    ``cpu_s``: on the 2-core CPU machine the longest silence measured in a phase was 50 s (a process's imports
-    while four servers started at once; docs/reliability.md), the engine's own steps a few seconds. ``cuda_s``: a
+    ``cpu_s``: on the 2-core CPU machine the longest silence measured in a phase was 51 s (a new process's imports,
+    seven vLLM servers starting at once; docs/reliability.md), the engine's own steps took seconds. ``cuda_s``: a
     GPU's phases print as they go too (progress bars of weights and CUDA graphs redraw, each torch.compile range is
     logged), but one range's compile or one large shard takes minutes: the 300 s window every phase had before.
     """
