@@ -1,4 +1,4 @@
-"""The model worker's thread goes back to its cores after vLLM's NIXL connector moved it (hybrid_pd.connector.vllm.cpu_affinity).
+"""The model worker's thread stays on its cores while vLLM's NIXL connector is built (hybrid_pd.connector.vllm.cpu_affinity).
 
 Each test runs in a thread of its own: affinity is per thread, and pytest's must stay as it was.
 A real stack's model workers are checked in tests/e2e/test_up_cli.py.
@@ -11,6 +11,7 @@ import os
 import threading
 from collections.abc import Callable
 
+import psutil
 import pytest
 
 from hybrid_pd.connector.vllm.cpu_affinity import kept_affinity
@@ -36,8 +37,9 @@ def _in_a_thread(body: Callable[[], object]) -> object:
     return out["value"]
 
 
-def test_a_thread_moved_to_the_last_core_inside_goes_back_to_its_own(caplog):
-    """What vLLM 0.32's connector worker does on CPU: sched_setaffinity(0, [last core of the node])."""
+def test_vllms_move_of_the_thread_to_the_last_core_is_not_carried_out(caplog):
+    """What vLLM 0.32's connector worker does on CPU: sched_setaffinity(0, [last core of the node]). The rest of its
+    constructor ran on that core, where a start was starved (issue #36): the thread never goes there now."""
     first, last = CORES[0], CORES[-1]
 
     def body() -> tuple[set[int], set[int]]:
@@ -49,8 +51,32 @@ def test_a_thread_moved_to_the_last_core_inside_goes_back_to_its_own(caplog):
 
     with caplog.at_level(logging.INFO, logger="vllm.hybrid_pd.cpu_affinity"):
         inside, after = _in_a_thread(body)
-    assert inside == {last}
+    assert inside == {first}
     assert after == {first}
+    assert f"vLLM's NIXL connector worker asked to move the model's thread to cores {last}; kept it on cores {first}" in caplog.text
+    assert os.sched_setaffinity.__module__ == "posix", "os's own function is back"
+
+
+def test_a_move_made_otherwise_is_undone_and_other_threads_moves_are_carried_out(caplog):
+    first, last = CORES[0], CORES[-1]
+
+    def body() -> tuple[set[int], set[int]]:
+        os.sched_setaffinity(0, {first})
+        other: dict[str, set[int]] = {}
+
+        def elsewhere() -> None:
+            os.sched_setaffinity(0, {last})
+            other["cores"] = os.sched_getaffinity(0)
+
+        with kept_affinity("vLLM's NIXL connector worker"):
+            psutil.Process(threading.get_native_id()).cpu_affinity([last])  # not through os.sched_setaffinity
+            thread = threading.Thread(target=elsewhere)
+            thread.start()
+            thread.join()
+        return os.sched_getaffinity(0), other["cores"]
+
+    with caplog.at_level(logging.INFO, logger="vllm.hybrid_pd.cpu_affinity"):
+        assert _in_a_thread(body) == ({first}, {last})
     assert f"vLLM's NIXL connector worker moved the model's thread to cores {last}; put it back on cores {first}" in caplog.text
 
 
@@ -66,27 +92,22 @@ def test_a_thread_left_where_it_was_is_not_touched_and_nothing_is_logged(caplog)
     assert "moved" not in caplog.text
 
 
-def test_a_thread_started_inside_keeps_the_core_it_was_given():
-    """NIXL's threads that vLLM's connector starts while the model's thread is moved stay where vLLM put them."""
+def test_a_thread_started_inside_gets_the_cores_of_the_model_thread():
+    """NIXL's threads that vLLM's connector starts run on the model worker's cores, not on the last core."""
     first, last = CORES[0], CORES[-1]
 
     def body() -> tuple[set[int], set[int]]:
         os.sched_setaffinity(0, {first})
         seen: dict[str, set[int]] = {}
-        started, finish = threading.Event(), threading.Event()
 
         def helper() -> None:
-            started.set()
-            finish.wait(10)
             seen["helper"] = os.sched_getaffinity(0)
 
         with kept_affinity("vLLM's NIXL connector worker"):
             os.sched_setaffinity(0, {last})
             thread = threading.Thread(target=helper)
             thread.start()
-            started.wait(10)
-        finish.set()
-        thread.join()
+            thread.join()
         return os.sched_getaffinity(0), seen["helper"]
 
-    assert _in_a_thread(body) == ({first}, {last})
+    assert _in_a_thread(body) == ({first}, {first})
