@@ -64,5 +64,8 @@ class TrafficWindow:
                 at = when
             level = inflight
         area += level * (now - at)
+        # A router whose traffic began inside the window has seen only part of it: over the whole window, 128 requests in
+        # flight for 2 s would read as 25 (the GPU run: the planner moved only once the window had filled).
+        covered = min(self.seconds, now - self._changes[0][0]) if self._changes else self.seconds
         arrived = [(round(p * self.prompt_ratio), round(o * self.output_ratio)) for _, p, o in self._arrived]
-        return traffic_of(arrived, area / self.seconds, self.seconds)
+        return traffic_of(arrived, area / covered, covered) if covered > 0 else None
