@@ -112,6 +112,16 @@ def test_the_routers_window_measures_the_arrivals_lengths_corrected_by_usage_and
     assert later.requests == 1 and later.concurrency == pytest.approx((3 * 1 + 2 * 1 + 3 * 8) / 10)
 
 
+def test_a_window_the_traffic_began_inside_reads_the_load_it_saw():
+    """The four-H100 run: 128 requests in flight from 2 s before the planner's first look read as 25.6 over a 10 s window,
+    and the planner moved to 1P3D only once the window had filled, 12 s in."""
+    window = TrafficWindow(10.0)
+    for _ in range(128):
+        window.started(100.0, 1000, 512)
+    assert window.summary(102.0).concurrency == pytest.approx(128.0)
+    assert window.summary(102.0).rate_rps == pytest.approx(64.0)
+
+
 def test_phases_run_one_after_the_other_each_with_its_own_concurrency():
     phases = [Workload(Lengths(100, 100), Lengths(10, 10), 6, concurrency=2), Workload(Lengths(200, 200), Lengths(5, 5), 4, concurrency=4)]
     outcomes = _Simulation(tiny_profile(), tiny_profile(), Layout("replicas", 0, 2), phases).run()
