@@ -1,5 +1,5 @@
 """The planner's brain (hybrid_pd/sizing/planner.py), its simulation under phase-shifting traffic (hybrid_pd/sizing/planned.py)
-and the router's measure of the traffic (hybrid_pd/router/traffic.py)."""
+and the router's measure of the traffic (hybrid_pd/sizing/traffic.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hybrid_pd.router.traffic import TrafficWindow
+from hybrid_pd.sizing.traffic import TrafficWindow
 from hybrid_pd.sizing.layouts import Layout
 from hybrid_pd.sizing.planned import simulate_planner
 from hybrid_pd.sizing.planner import Traffic, assign, candidates, decide, traffic_of
@@ -93,7 +93,7 @@ def test_traffic_of_the_finished_requests_is_their_10th_to_90th_percentiles():
 
 
 def test_the_routers_window_measures_the_arrivals_lengths_corrected_by_usage_and_the_mean_in_flight():
-    window = TrafficWindow(10.0)
+    window = TrafficWindow(10.0, 2.0)
     for _ in range(4):
         window.started(100.0, 500, 50)  # 500 tokens estimated from the text, max_tokens 50
     window.ended(105.0, 500, 50, 1000, 50)  # the workers counted twice the estimate: the first answer sets the correction
@@ -115,11 +115,35 @@ def test_the_routers_window_measures_the_arrivals_lengths_corrected_by_usage_and
 def test_a_window_the_traffic_began_inside_reads_the_load_it_saw():
     """The four-H100 run: 128 requests in flight from 2 s before the planner's first look read as 25.6 over a 10 s window,
     and the planner moved to 1P3D only once the window had filled, 12 s in."""
-    window = TrafficWindow(10.0)
+    window = TrafficWindow(10.0, 2.0)
     for _ in range(128):
         window.started(100.0, 1000, 512)
     assert window.summary(102.0).concurrency == pytest.approx(128.0)
     assert window.summary(102.0).rate_rps == pytest.approx(64.0)
+
+
+def test_after_a_shift_in_the_traffic_the_window_sizes_for_the_new_phase_alone():
+    """Chat for 9 s, then 16000-token documents: the window's 10th-90th percentiles would span both (a mix that is neither:
+    the four-H100 run stopped at 2P2D on its way to 3P1D); the last period's arrivals alone are what comes next."""
+    window = TrafficWindow(10.0, 2.0)
+    for i in range(90):
+        window.started(100.0 + i * 0.1, 1000, 512)
+        window.ended(100.05 + i * 0.1, 1000, 512, 1000, 512)
+    for i in range(8):
+        window.started(109.5 + i * 0.1, 16000, 256)
+    traffic = window.summary(110.5)
+    assert (traffic.requests, traffic.prompt, traffic.output) == (13, Lengths(1000, 16000), Lengths(256, 512))  # 2 s: chat and documents
+    later = window.summary(111.0)
+    assert (later.prompt, later.output) == (Lengths(16000, 16000), Lengths(256, 256)), later  # the documents dominate the last 2 s
+    assert later.concurrency == pytest.approx((0.1 * sum(range(1, 8)) + 8 * 0.8) / 2)  # over the last 2 s: none, then 1..8
+
+
+def test_a_steady_mix_of_lengths_is_no_shift():
+    window = TrafficWindow(10.0, 2.0)
+    for i in range(100):
+        window.started(100.0 + i * 0.1, 1000 if i % 2 else 16000, 256)
+    traffic = window.summary(110.0)
+    assert traffic.requests == 100 and traffic.prompt == Lengths(1000, 16000)
 
 
 def test_phases_run_one_after_the_other_each_with_its_own_concurrency():

@@ -50,7 +50,7 @@ from hybrid_pd.router.relay import answer_whole, relay_answers
 from hybrid_pd.router.route import decode_chunks, route_request
 from hybrid_pd.router.settings import RouterSettings
 from hybrid_pd.router.state import RouterState
-from hybrid_pd.router.traffic import TrafficWindow
+from hybrid_pd.sizing.traffic import TrafficWindow
 from hybrid_pd.router.upstream import AiohttpTransport, Upstream
 from hybrid_pd.sizing.profile import Profile
 
@@ -109,7 +109,7 @@ def create_app(settings: RouterSettings, transport: httpx.AsyncBaseTransport | N
     )
     register_signals(metrics.registry, registry, settings.max_concurrency_per_worker)
     profile = Profile.load(Path(settings.planner_profile)) if settings.planner_profile is not None else None
-    planner = Planner(settings, registry, pairing, metrics, TrafficWindow(settings.planner_window_s), profile)
+    planner = Planner(settings, registry, pairing, metrics, TrafficWindow(settings.planner_window_s, settings.planner_interval_s), profile)
     state = RouterState(settings=settings, registry=registry, metrics=metrics, pairing=pairing, planner=planner)
     timeout = httpx.Timeout(settings.request_timeout_s, connect=settings.connect_timeout_s)
 
@@ -273,7 +273,7 @@ async def _generate(
     if state.inflight >= state.settings.max_concurrency:
         raise OpenAIError(429, f"the router is at its concurrency limit ({state.settings.max_concurrency})")
     state.inflight += 1
-    # What the planner measures (hybrid_pd/router/traffic.py): the estimates now, the workers' counts when the answer is done.
+    # What the planner measures (hybrid_pd/sizing/traffic.py): the estimates now, the workers' counts when the answer is done.
     traffic, estimate, asked = state.planner.traffic, RequestInfo.from_body(body).est_tokens, _max_tokens(body)
     traffic.started(arrived, estimate, asked)
     usage: dict[str, Any] = {}

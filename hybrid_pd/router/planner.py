@@ -1,7 +1,7 @@
 """The planner's live side: every few seconds, the layout of the flexible workers for the traffic now, and their roles.
 
 The decision is :func:`hybrid_pd.sizing.planner.decide` (pure: the traffic the router measured,
-:mod:`hybrid_pd.router.traffic`, the model's profile, the SLOs), run in a process of its own so
+:mod:`hybrid_pd.sizing.traffic`, the model's profile, the SLOs), run in a process of its own so
 that its simulations never hold the router's event loop. Its answer becomes each flexible
 worker's role (:func:`hybrid_pd.sizing.planner.assign`: as few moves as it takes), which
 :mod:`hybrid_pd.router.pairing` reads per request. No worker restarts: a worker that turns to
@@ -31,7 +31,7 @@ from hybrid_pd.router.metrics import RouterMetrics
 from hybrid_pd.router.pairing import Pairing
 from hybrid_pd.router.registry import Registry
 from hybrid_pd.router.settings import RouterSettings
-from hybrid_pd.router.traffic import TrafficWindow
+from hybrid_pd.sizing.traffic import TrafficWindow
 from hybrid_pd.router.upstream import Upstream
 from hybrid_pd.sizing.layouts import Layout
 from hybrid_pd.sizing.planner import Decision, Role, assign, decide

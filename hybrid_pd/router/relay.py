@@ -37,7 +37,7 @@ __all__ = ["DecodeStream", "StreamBroke", "answer_whole", "merge_answers", "merg
 
 log = logging.getLogger("hybrid_pd.router")
 
-# Told the usage a client's answer carries (prompt and completion tokens): what the planner sizes by (hybrid_pd/router/traffic.py).
+# Told the usage a client's answer carries (prompt and completion tokens): what the planner sizes by (hybrid_pd/sizing/traffic.py).
 UsageSeen = Callable[[dict[str, Any]], None]
 
 

@@ -1,8 +1,8 @@
 """The planner simulated: flexible workers whose roles the planner gives, under traffic that changes phase.
 
 The same brain as the router's (:mod:`hybrid_pd.sizing.planner`): every ``period_s`` of simulated
-time it measures what a router would (the requests that arrived in the last ``window_s``: their
-prompt and output lengths; the requests in flight), decides (:func:`~hybrid_pd.sizing.planner.decide`)
+time it measures what a router would, with the router's own measure fed the simulated arrivals and
+answers (:class:`~hybrid_pd.sizing.traffic.TrafficWindow`), decides (:func:`~hybrid_pd.sizing.planner.decide`)
 and gives the workers their roles (:func:`~hybrid_pd.sizing.planner.assign`). Requests already
 routed finish where they are, as on the router. So the planner's logic is tested in seconds on a
 CPU, against the fixed layouts under the same traffic, before any GPU run.
@@ -15,9 +15,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from hybrid_pd.sizing.layouts import Layout, layouts
-from hybrid_pd.sizing.planner import Decision, assign, decide, traffic_of
+from hybrid_pd.sizing.planner import Decision, assign, decide
 from hybrid_pd.sizing.profile import Profile
 from hybrid_pd.sizing.simulate import SLO, Outcome, Prediction, Tick, simulate_fixed, simulate_flex, summarize
+from hybrid_pd.sizing.traffic import TrafficWindow
 from hybrid_pd.sizing.workload import Workload
 
 __all__ = ["Change", "PlannedRun", "compare", "simulate_planner"]
@@ -46,16 +47,23 @@ def simulate_planner(
     """``workers`` flexible workers under ``phases`` (closed loop, one after the other), their roles given by the planner."""
     run = PlannedRun([])
     layout = Layout("flex", 0, workers)
-    inflight: list[tuple[float, int]] = []  # (time, requests in flight) at each look, for the window's mean
+    window = TrafficWindow(window_s, period_s)  # the router's own measure, fed the simulated arrivals and answers
+    started: set[int] = set()
+    done = 0  # outcomes already told to the window
 
     def look(now_ms: float, sim: Any) -> tuple[list[int], list[int]] | None:
-        nonlocal layout
-        since = now_ms - window_s * 1e3
-        arrived = [(o.request.prompt, o.request.output) for o in sim.outcomes if o.sent_ms >= since]
-        arrived += [(r.request.prompt, r.request.output) for r in sim.routes.values() if r.sent_ms >= since]
-        inflight.append((now_ms, len(sim.routes)))
-        recent = [n for t, n in inflight if t >= since]
-        traffic = traffic_of(arrived, sum(recent) / len(recent), window_s)
+        nonlocal layout, done
+        events = [(r.sent_ms, 1, r.request) for r in sim.routes.values() if r.request.id not in started]
+        events += [(o.sent_ms, 1, o.request) for o in sim.outcomes[done:] if o.request.id not in started]
+        events += [(o.done_ms, 0, o.request) for o in sim.outcomes[done:]]
+        done = len(sim.outcomes)
+        for at_ms, arrival, r in sorted(events, key=lambda e: (e[0], e[1])):
+            if arrival:
+                started.add(r.id)
+                window.started(at_ms / 1e3, r.prompt, r.output)
+            else:
+                window.ended(at_ms / 1e3, r.prompt, r.output, r.prompt, r.output)
+        traffic = window.summary(now_ms / 1e3)
         if traffic is None or traffic.requests < 2 * workers:
             return None
         decision: Decision = decide(profile, traffic, slo, workers, layout, margin)

@@ -1,0 +1,108 @@
+"""What a router measures of the live traffic for the planner: lengths and load over a sliding window, and when it changed.
+
+The lengths are those of the requests that *arrived* in the window, so the planner sees a new
+traffic as it comes in, not once its slow requests are done (a 16000-token document under the
+wrong layout takes seconds to finish). At arrival the router knows only the client's text and
+``max_tokens``; each request's usage, when its answer is done, says what the workers counted,
+and the ratios of counted to estimated (the first answer's, then a moving average) scale the
+estimates of the arrivals. The load is the time-weighted mean of the requests in flight, what
+``vllm bench serve --max-concurrency`` holds fixed and the simulator's closed loop reproduces.
+
+A traffic that changes phase (chat, then long documents) would fill the window with both for its
+length, and the planner would size for a mix that is neither (on four H100s it stopped at 2P2D for
+2-4 s on the way from whole requests to 3P1D and back). So when the arrivals of the last
+``recent_s`` differ from the window's older ones by more than :data:`SHIFT` in median prompt or
+output length, the summary is of the last ``recent_s`` alone.
+
+Kept with the simulator, which measures its simulated traffic with the same class
+(:mod:`hybrid_pd.sizing.planned`): the router and the simulation size by the same numbers. Pure:
+the caller gives the times (``time.perf_counter()`` on the router, simulated seconds in the
+simulation). O(1) per request; the summary walks the window.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+from hybrid_pd.sizing.planner import Traffic, traffic_of
+
+__all__ = ["SHIFT", "TrafficWindow"]
+
+# Weight of one request's counted/estimated ratio in the moving average: about the last 20 count.
+_RATIO_WEIGHT = 0.05
+# A median length this many times the older arrivals' (or a share of it) is a new phase of the traffic.
+SHIFT = 2.0
+
+
+@dataclass
+class TrafficWindow:
+    """The last ``seconds`` of traffic: the requests that arrived (their estimated lengths) and the requests in flight over time."""
+
+    seconds: float
+    recent_s: float  # the part a shift is looked for in: the planner's period
+    prompt_ratio: float = 1.0  # prompt tokens counted / estimated from the text
+    output_ratio: float = 1.0  # completion tokens counted / max_tokens asked
+    _arrived: deque[tuple[float, int, int]] = field(default_factory=deque)  # (when, estimated prompt tokens, max_tokens)
+    _changes: deque[tuple[float, int]] = field(default_factory=deque)  # (when, requests in flight from then on)
+    _inflight: int = 0
+    _counted: bool = False  # an answer's usage has set the ratios
+
+    def started(self, now: float, prompt_estimate: int, max_tokens: int) -> None:
+        self._inflight += 1
+        self._changes.append((now, self._inflight))
+        self._arrived.append((now, max(1, prompt_estimate), max(1, max_tokens)))
+
+    def ended(self, now: float, prompt_estimate: int, max_tokens: int, prompt_tokens: int | None, completion_tokens: int | None) -> None:
+        """A request left; its usage, when it told the tokens (a failed or refused one tells nothing), corrects the estimates."""
+        self._inflight -= 1
+        self._changes.append((now, self._inflight))
+        if prompt_tokens and completion_tokens:
+            weight = _RATIO_WEIGHT if self._counted else 1.0
+            self.prompt_ratio += weight * (prompt_tokens / max(1, prompt_estimate) - self.prompt_ratio)
+            self.output_ratio += weight * (completion_tokens / max(1, max_tokens) - self.output_ratio)
+            self._counted = True
+
+    def summary(self, now: float) -> Traffic | None:
+        """The traffic to size for (lengths as 10th-90th percentiles of the arrivals, corrected): the window's, or the last
+        ``recent_s``'s after a shift; None before any arrival in the window."""
+        since = now - self.seconds
+        while self._arrived and self._arrived[0][0] < since:
+            self._arrived.popleft()
+        while len(self._changes) > 1 and self._changes[1][0] <= since:  # the change in force at ``since`` stays
+            self._changes.popleft()
+        if not self._changes:
+            return None
+        # A router whose traffic began inside the window has seen only part of it: over the whole window, 128 requests in
+        # flight for 2 s would read as 25 (the GPU run: the planner moved only once the window had filled).
+        start = max(since, self._changes[0][0])
+        if self._shifted(now - self.recent_s) and now - self.recent_s > start:
+            start = now - self.recent_s
+        if now <= start:
+            return None
+        arrived = [(round(p * self.prompt_ratio), round(o * self.output_ratio)) for when, p, o in self._arrived if when >= start]
+        return traffic_of(arrived, self._mean_inflight(start, now), now - start)
+
+    def _shifted(self, boundary: float) -> bool:
+        """Whether the arrivals after ``boundary`` differ from those before it by :data:`SHIFT` in median prompt or output."""
+        older = [(p, o) for when, p, o in self._arrived if when < boundary]
+        newer = [(p, o) for when, p, o in self._arrived if when >= boundary]
+        if not older or not newer:
+            return False
+        for i in (0, 1):
+            ratio = statistics.median(a[i] for a in newer) / statistics.median(a[i] for a in older)
+            if ratio >= SHIFT or ratio <= 1 / SHIFT:
+                return True
+        return False
+
+    def _mean_inflight(self, start: float, now: float) -> float:
+        """The time-weighted mean of the requests in flight from ``start`` to ``now``."""
+        area, level, at = 0.0, 0, start
+        for when, inflight in self._changes:
+            if when > at:
+                area += level * (when - at)
+                at = when
+            level = inflight
+        area += level * (now - at)
+        return area / (now - start)
