@@ -34,7 +34,7 @@ from hybrid_pd.router.settings import RouterSettings
 from hybrid_pd.sizing.traffic import TrafficWindow
 from hybrid_pd.router.upstream import Upstream
 from hybrid_pd.sizing.layouts import Layout
-from hybrid_pd.sizing.planner import Decision, Role, assign, decide
+from hybrid_pd.sizing.planner import ROLES, Decision, Role, assign, decide
 from hybrid_pd.sizing.profile import Profile
 from hybrid_pd.sizing.simulate import SLO
 
@@ -118,7 +118,7 @@ class Planner:
             log.warning("planner leader unreachable; roles unchanged %s", kv(leader=leader, error=type(exc).__name__))
             return
         if isinstance(roles, dict) and roles != self.pairing.roles:
-            self.apply({str(url): role for url, role in roles.items() if role in ("prefill", "decode", "whole")}, f"from the leader {leader}")
+            self.apply({str(url): role for url, role in roles.items() if role in ROLES}, f"from the leader {leader}")
 
     def apply(self, roles: dict[str, Role], why: str) -> None:
         """Give the flexible workers ``roles`` (by URL; a worker not named serves whole requests); counted and logged."""
