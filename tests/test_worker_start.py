@@ -170,7 +170,7 @@ def test_a_start_that_stops_printing_in_a_phase_is_ended_after_that_phases_budge
     """Issue #36: a start stuck after `Using cpu Mamba SSU backend` was ended after 300 s of silence, whatever the phase.
     Here a real child prints vLLM's start lines: a long silence (3 s) in a phase whose budget allows it, then weights
     loaded and the KV cache's first line, and no more. The worker ends it after that phase's budget (2 s), names the
-    phase and dumps where the child stood. The budgets are scaled down (90 s on CPU by default), the rule is the same."""
+    phase and dumps where the child stood. The budgets are scaled down (80 s on CPU by default), the rule is the same."""
     import dataclasses
 
     import hybrid_pd.worker.supervise as supervise

@@ -379,7 +379,7 @@ def test_each_start_phase_has_a_budget_of_its_own_on_each_device_and_one_setting
     from hybrid_pd.worker.settings import WorkerSettings
 
     cpu, gpu = Windows(None, 60.0, 900.0, "cpu"), Windows(None, 60.0, 900.0, "cuda")
-    assert [cpu.start_budget_s(i) for i in range(len(START_PHASES))] == [90.0] * len(START_PHASES)
+    assert [cpu.start_budget_s(i) for i in range(len(START_PHASES))] == [80.0] * len(START_PHASES)
     assert [gpu.start_budget_s(i) for i in range(len(START_PHASES))] == [300.0] * len(START_PHASES)
     assert Windows(20.0, 60.0, 900.0, "cuda").start_budget_s(5) == 20.0
     # Every phase's budget ends a stuck start well before the worker's own ready timeout, which the probes allow.
@@ -389,23 +389,23 @@ def test_each_start_phase_has_a_budget_of_its_own_on_each_device_and_one_setting
 
 def test_a_start_phase_silent_for_its_budget_is_ended_and_named():
     """Issue #36: a prefill's start stopped after `Using cpu Mamba SSU backend` and was ended 300 s later, whatever it was
-    doing; a CPU phase gets 90 s from its last line, and the verdict names the phase."""
+    doing; a CPU phase gets 80 s from its last line, and the verdict names the phase."""
     group, windows = serving_vllm(), Windows(None, 10.0, 900.0, "cpu")
     kv_cache = start_phase(0, CPU_START[6][1])  # "Loading weights took": the KV cache is next
-    quiet = run([see(group, t, output_at=5.0, phase=kv_cache) for t in (6, 50, 94.9)], windows)
+    quiet = run([see(group, t, output_at=5.0, phase=kv_cache) for t in (6, 50, 84.9)], windows)
     assert [d.failure for d in quiet] == [None] * 3
-    stuck = run([see(group, 6, output_at=5.0, phase=kv_cache), see(group, 95, output_at=5.0, phase=kv_cache)], windows)[-1]
+    stuck = run([see(group, 6, output_at=5.0, phase=kv_cache), see(group, 85, output_at=5.0, phase=kv_cache)], windows)[-1]
     assert stuck.stalled and stuck.failure == (
         "vLLM's start stuck profiling, allocating the KV cache and warming up (compile, registration): it printed nothing "
-        "and did not answer /health for 90 s since its last line (the phase's budget: 90 s)"
+        "and did not answer /health for 80 s since its last line (the phase's budget: 80 s)"
     )
-    on_gpu = run([see(group, 6, output_at=5.0, phase=kv_cache), see(group, 95, output_at=5.0, phase=kv_cache)], Windows(None, 10.0, 900.0, "cuda"))
+    on_gpu = run([see(group, 6, output_at=5.0, phase=kv_cache), see(group, 85, output_at=5.0, phase=kv_cache)], Windows(None, 10.0, 900.0, "cuda"))
     assert on_gpu[-1].failure is None, "a GPU's compile may be silent for minutes"
     stopped = group | {WORKER: proc(WORKER, "VLLM::Worker", ppid=ENGINE, state="T")}
-    frozen = run([see(group, 0, phase=kv_cache), *(see(stopped, t, phase=kv_cache) for t in (1, 60, 91))], windows)
+    frozen = run([see(group, 0, phase=kv_cache), *(see(stopped, t, phase=kv_cache) for t in (1, 60, 81))], windows)
     assert frozen[-1].stalled and frozen[-1].failure == (
-        f"VLLM::Worker (pid {WORKER}) has been stopped (SIGSTOP) for 90 s while profiling, allocating the KV cache and "
-        "warming up (compile, registration) (the phase's budget: 90 s)"
+        f"VLLM::Worker (pid {WORKER}) has been stopped (SIGSTOP) for 80 s while profiling, allocating the KV cache and "
+        "warming up (compile, registration) (the phase's budget: 80 s)"
     )
 
 

@@ -90,7 +90,7 @@ class WorkerSettings(BaseSettings):
         gt=0,
         description="a starting vLLM whose start phase (weights, KV cache, HTTP server...) prints nothing, or that has "
         "a process stopped, for this many seconds is ended as hung, the phase named: the worker exits 3 (default: each "
-        "phase's own budget, 90 s on CPU, 300 s on GPU)",
+        "phase's own budget, 80 s on CPU, 300 s on GPU)",
     )
     serve_stall_s: float = Field(
         60.0,

@@ -93,14 +93,15 @@ class StartPhase:
     """A step of vLLM's start, begun by a line it logs, with the longest silence it may keep on each device.
 
     ``cpu_s``: on the 2-core CPU machine the longest silence measured in a phase was 51 s (a new process's imports,
-    seven vLLM servers starting at once; docs/reliability.md), the engine's own steps took seconds. ``cuda_s``: a
+    seven vLLM servers starting at once; docs/reliability.md), the engine's own steps took seconds: 80 s ends a stuck
+    start, its worker's stop included, within 90 s of its last line. ``cuda_s``: a
     GPU's phases print as they go too (progress bars of weights and CUDA graphs redraw, each torch.compile range is
     logged), but one range's compile or one large shard takes minutes: the 300 s window every phase had before.
     """
 
     name: str  # what vLLM is doing, as the verdict names it
     begins: tuple[str, ...]  # a line with one of these begins it (none: the first phase, begun by the spawn)
-    cpu_s: float = 90.0
+    cpu_s: float = 80.0
     cuda_s: float = 300.0
 
     def budget_s(self, device: str) -> float:

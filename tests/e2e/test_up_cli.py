@@ -273,7 +273,30 @@ def test_a_model_worker_stopped_while_serving_ends_its_worker_after_the_window_a
     print(f"worker service exited {time.time() - stopped_at:.1f} s after the stop")
     _until("up starts prefill-0 again", lambda: re.search(r"prefill-0 exited code=3: vLLM ended .*attempt=1/3", up.output()), 60)
     assert _answers(up.url, model) == expected, "meanwhile the decode worker prefills itself"
-    _until("prefill-0 serves again", lambda: "prefill-0 is ready again restarts=1" in up.output(), 300)
+
+    # Issue #36: the restart's model worker frozen where the starved prefill stopped (after `Using cpu Mamba SSU
+    # backend`, in the KV cache's phase): ended after the phase's CPU budget (80 s by default; the issue's target: its
+    # worker out within 90 s of its last line), named, its stack dumped.
+    ssu = "Using cpu Mamba SSU backend."
+    _until("the restarted vLLM reaches the SSU backend", lambda: up.log("prefill-0").count(ssu) >= 2, 300)
+    service, vllm = _vllm(up, "prefill")
+    stopped_at = time.time()
+    os.kill(vllm["VLLM::Worker"], signal.SIGSTOP)
+    phase = r"profiling, allocating the KV cache and warming up \(compile, registration\)"
+    pattern = rf"vLLM's start stuck {phase}: .* \(the phase's budget: 80 s\)|VLLM::Worker \(pid {vllm['VLLM::Worker']}\) has been stopped \(SIGSTOP\) for 80 s while {phase}"
+    line, logged, _ = _ended(up, "prefill-0", stopped_at, pattern, 120)
+    print(f"starting SIGSTOP of VLLM::Worker after the SSU line: named {logged - stopped_at:.1f} s later: {line[24:]}")
+    assert logged - stopped_at < 82
+    marker = "where vLLM's processes stood (py-spy dump)"
+    _until("the stacks are in the log", lambda: up.log("prefill-0").count(marker) >= 2, 60)
+    block = up.log("prefill-0").rsplit(marker, 1)[1].split(f"--- VLLM::Worker (pid {vllm['VLLM::Worker']}", 1)[1].split("\n--- ", 1)[0]
+    assert "Thread " in block, f"the stopped model worker's stack: {block[:2000]}"
+    psutil.wait_procs([service], timeout=30)
+    print(f"worker service exited {time.time() - stopped_at:.1f} s after the stop")
+    _until("up starts prefill-0 again", lambda: re.search(r"prefill-0 exited code=3: vLLM ended .*attempt=2/3", up.output()), 60)
+    assert _answers(up.url, model) == expected, "meanwhile the decode worker prefills itself"
+    _until("prefill-0 serves again", lambda: "prefill-0 is ready again restarts=2" in up.output(), 300)
+    print(f"prefill-0 ready again {time.time() - stopped_at:.1f} s after the stop")
     _until("the router routes to it again", lambda: _routes_to(up, "prefill", url), 60)
     assert _answers(up.url, model) == expected
 
