@@ -46,10 +46,7 @@ it is vLLM's pull connector, with the fixes and hooks below switched on per work
 10. **A local hit that leaves the state to pull.** With prefix caching on, a decode worker whose
    attention KV covers all N-1 tokens handed off, but not their state, pulls the last block and
    the state instead of prefilling the whole prompt itself (:mod:`hybrid_pd.connector.vllm.state_pull_hit`).
-11. **The model on its own cores.** vLLM's connector worker moves the CPU model worker's main thread, the
-   one that runs the model, to the last core of the NUMA node; it is put back on the cores OpenMP bound it to
-   (``VLLM_CPU_OMP_THREADS_BIND``, :mod:`hybrid_pd.connector.vllm.cpu_affinity` says why).
-12. **Negative control, tests only.** ``HYBRID_PD_TEST_ONLY_DISABLE_DECODE_ROW_FIX=1``
+11. **Negative control, tests only.** ``HYBRID_PD_TEST_ONLY_DISABLE_DECODE_ROW_FIX=1``
    removes vLLM's decode-row reclassification in this engine, behind the start-up
    checks' back: what a vLLM without it does. On a GPU with FULL CUDA graphs such a
    decode worker answers wrongly (``hybrid_pd/bench/gpu/gsm8k_gate.py`` shows it).
@@ -73,7 +70,6 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 from hybrid_pd.connector.contract import AWAIT_ENV, CAPABILITIES_ENV, DECODE_ROW, DELAY_ENV, FAILED_PULLS, LOCAL_PROMPT_TOKENS, MERGE_ENV, TEST_ONLY_DISABLE_ENV, TRACE_ENV
 from hybrid_pd.connector.trace.timeline import from_env as timeline_writer
 from hybrid_pd.connector.vllm.capabilities import reports_failed_pulls, vllm_version
-from hybrid_pd.connector.vllm.cpu_affinity import kept_affinity
 from hybrid_pd.connector.vllm.decode_rows import apply_fix, remove_vllm_fix
 from hybrid_pd.connector.vllm.kv_lease import lease_expiry, pull_outlived_lease, stamp_lease
 from hybrid_pd.connector.vllm.nixl_merge import merge_adjacent_descriptors
@@ -146,8 +142,7 @@ class NixlConnector(NixlPullConnector):
     _timeline: EngineTimeline | None = None  # set in __init__ when the worker records the hand-off timeline
 
     def __init__(self, vllm_config, role, kv_cache_config) -> None:  # noqa: ANN001 - vLLM's signature
-        with kept_affinity("vLLM's NIXL connector worker"):
-            super().__init__(vllm_config, role, kv_cache_config)
+        super().__init__(vllm_config, role, kv_cache_config)
         self._lease_s = float(vllm_config.kv_transfer_config.get_from_extra_config("kv_lease_duration", 30))
         self._allocated_expiry: dict[str, float] = {}  # decode scheduler: pulls not yet handed to the workers
         self._pull_expiry: dict[str, float] = {}  # decode worker: pulls in flight
