@@ -299,8 +299,9 @@ class _Simulation:
         return bool(self.prefillers)
 
     def run(self) -> list[Outcome]:
-        first, expected = self.phases[0], sum(w.num_prompts if w.turns == 1 else len(w.requests()) for w in self.phases)
+        first, later = self.phases[0], self.phases[1:]  # later phases: closed-loop single requests (_check_phases)
         requests = first.requests()
+        expected = len(requests) + sum(w.num_prompts for w in later)
         if first.turns > 1:
             firsts = [r for r in requests if not r.earlier_prompt]
             self.next_turn = {a.id: b for a, b in zip(requests, requests[1:]) if b.earlier_prompt}
@@ -309,8 +310,8 @@ class _Simulation:
             self.unsent.extend(firsts[first.concurrency :])
         elif first.concurrency is not None:
             offset = 0
-            for phase in self.phases:  # ids run on across phases
-                self.later.append((phase.concurrency, [replace(r, id=r.id + offset) for r in phase.requests()]))
+            for phase, drawn in zip(self.phases, [requests, *(w.requests() for w in later)]):  # ids run on across phases
+                self.later.append((phase.concurrency, [replace(r, id=r.id + offset) for r in drawn]))
                 offset += phase.num_prompts
             self._next_phase(0.0)
         else:
