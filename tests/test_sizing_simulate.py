@@ -28,6 +28,15 @@ def test_a_lone_request_takes_its_prompt_latency_and_step_then_one_decode_step_a
     assert o.tpot_ms == pytest.approx(5.0 + 0.5 + 0.001 * (100 + 108) / 2)
 
 
+def test_each_prompt_in_a_step_adds_its_own_cost_besides_its_tokens():
+    """Two prompts that arrive together share one step, which costs ``prefill_per_prompt_ms`` twice (four-H100 waves)."""
+    profile = tiny_profile().model_copy(update={"prefill_per_prompt_ms": 7.0})
+    (o,) = simulate(profile, REPLICAS, fixed(100, 2, 1, concurrency=1))
+    assert o.ttft_ms == pytest.approx(11.0 + 5.0 + 0.01 * 100 + 7.0)
+    both = simulate(profile, Layout("replicas", 0, 1), fixed(100, 2, 2, concurrency=2))
+    assert [x.ttft_ms for x in both] == pytest.approx([11.0 + 5.0 + 0.01 * 200 + 2 * 7.0] * 2)
+
+
 def test_a_lone_split_request_adds_the_hand_off_the_transfer_of_plans_bytes_and_the_decode_workers_step():
     (o,) = simulate(tiny_profile(), SPLIT, fixed(100, 10, 1, concurrency=1))
     moved = plan_transfer(SHAPE, 100, block_size=16).total_bytes

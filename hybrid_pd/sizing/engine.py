@@ -131,6 +131,7 @@ class Engine:
         if not tokens:
             return None, pulls
         prompt = sum(n for job, n in tokens if job.prompt_left)
+        prompts = sum(1 for job, _ in tokens if job.prompt_left)
         rows = [job for job, _ in tokens if not job.prompt_left]
         context = sum(job.context for job in rows)
         count = 1
@@ -141,7 +142,7 @@ class Engine:
                     self._grow(job, job.context + last)
                 count = last
         growth = p.step_ms(len(rows), context + len(rows), 0) - p.step_ms(len(rows), context, 0)
-        self.step = Step(tuple(tokens), now_ms, p.step_ms(len(rows), context, prompt), growth, count)
+        self.step = Step(tuple(tokens), now_ms, p.step_ms(len(rows), context, prompt, prompts), growth, count)
         return self.step, pulls
 
     def interrupt(self, now_ms: float) -> Step | None:

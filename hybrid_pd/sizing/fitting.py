@@ -46,7 +46,7 @@ def engine_prefill_ms(profile: Profile, tokens: int) -> float:
     """What a lone prompt of ``tokens`` costs the engine: its prefill steps, chunked at the token budget, as the simulator runs them."""
     budget = profile.max_num_batched_tokens
     full, rest = divmod(tokens, budget)
-    return full * profile.step_ms(0, 0, budget) + (profile.step_ms(0, 0, rest) if rest else 0.0)
+    return full * profile.step_ms(0, 0, budget, 1) + (profile.step_ms(0, 0, rest, 1) if rest else 0.0)
 
 
 def prompt_latency_residue(profile: Profile, lone_ttft_ms: Mapping[int, Sequence[float]]) -> list[tuple[int, float]]:

@@ -29,6 +29,21 @@ them (:data:`FITS`); every other figure of every row is a prediction (:mod:`.che
 
     python -m hybrid_pd.sizing.matrix fit --out PROFILE.json
     python -m hybrid_pd.sizing.matrix check --profile PROFILE.json [--json OUT.json]   # the table of docs/performance.md
+
+The four-H100 run (``2026-11-27-h100x4-planner``: replicas, 1P3D and 3P1D on four GPUs, 2 prompts
+per request in flight, 14 GiB caches) refits what the two-GPU matrix could not show, each from the
+rows that show it (:data:`FOUR_FITS`), over a profile fitted as above (:func:`refit`):
+
+- **prefill per token**: 1P3D's throughput at 16000/256 @ 32, where its one prefill GPU is the
+  bottleneck (the two-GPU fit came from 3000-token prompts and 3 in a step);
+- **prefill per prompt**: the replicas' TTFT mean at 1000/512 @ 128, four steps of eight
+  1000-token prompts at each wave; the short prompts' latencies are lowered by what their lone
+  steps gained, so the lone TTFTs stay as measured;
+- **prompt latency of long prompts**: the replicas' TTFT mean at 16000/256 @ 32 and 32000/128 @ 16,
+  each its own point of the table (nothing below 3000 tokens was measured lone): a replacement
+  request that reaches the engine later lets the requests just ahead of it finish first.
+
+    python -m hybrid_pd.sizing.matrix refit --base PROFILE.json --out REFIT.json   # prints the comparison
 """
 
 from __future__ import annotations
@@ -43,13 +58,13 @@ from pathlib import Path
 from typing import Any
 
 from hybrid_pd.connector.plan import model_shape
-from hybrid_pd.sizing.fitting import fit_decode_step, match_throughput, prompt_latency_residue
-from hybrid_pd.sizing.layouts import RUNNER_SYSTEMS
+from hybrid_pd.sizing.fitting import bisect_root, engine_prefill_ms, fit_decode_step, match_throughput, prompt_latency_residue
+from hybrid_pd.sizing.layouts import RUNNER_SYSTEMS, Layout
 from hybrid_pd.sizing.profile import DecodeStep, Profile, Transfer
-from hybrid_pd.sizing.simulate import SLO
+from hybrid_pd.sizing.simulate import SLO, predict
 from hybrid_pd.sizing.workload import Lengths, Workload
 
-__all__ = ["FITS", "SYSTEMS", "Matrix", "Measured", "fit", "fitted", "load_matrix"]
+__all__ = ["FITS", "FOUR_FITS", "SYSTEMS", "FourRow", "Matrix", "Measured", "fit", "fitted", "four_table", "load_four", "load_matrix", "refit"]
 
 RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results"
 MATRIX = RESULTS / "2026-11-25-h100x2-goodput"
@@ -176,13 +191,99 @@ def fit(matrix: Matrix, sweep: dict[str, Any]) -> Profile:
         p = draft.model_copy(update={"prefill_per_token_ms": per_token})
         # the split's lone TTFT is the replicas' less one prompt token, plus the hand-off, the transfer and D's one-token step
         handoff = statistics.median(
-            r.ttft_p50_ms - replicas_lone[r.run, r.input_len, r.output_len] + per_token - p.transfer_ms(r.input_len) - p.step_ms(0, 0, 1)
+            r.ttft_p50_ms - replicas_lone[r.run, r.input_len, r.output_len] + per_token - p.transfer_ms(r.input_len) - p.step_ms(0, 0, 1, 1)
             for r in matrix.of("hand-off")
         )
         return p.model_copy(update={"prompt_latency_ms": prompt_latency_residue(p, lone), "handoff_ms": max(handoff, 0.0)})
 
     (bound,) = matrix.of("prefill per token")
     return match_throughput(with_prefill, SYSTEMS[bound.system], bound.workload(), bound.throughput_rps, high=1.0)
+
+
+FOUR_GPU = RESULTS / "2026-11-27-h100x4-planner"
+FOUR_KV_CACHE_BYTES = 14 << 30  # the four-GPU run's --kv-cache-gib 14 (its summary's servers)
+# The four-GPU systems, as the simulator lays them out, and the run's points: (input, output, in flight, SLO).
+FOUR_SYSTEMS = {"replicas": Layout("replicas", 0, 4), "1P3D": Layout("pd", 1, 3), "3P1D": Layout("pd", 3, 1)}
+FOUR_POINTS = ((1000, 512, 64, SLO(500, 20)), (1000, 512, 128, SLO(500, 20)), (16000, 256, 32, SLO(4000, 15)), (32000, 128, 16, SLO(4000, 15)))
+FourKey = tuple[str, int, int, int]  # system, input, output, in flight
+FOUR_FITS: dict[str, tuple[str, list[FourKey]]] = {
+    "prefill per token": ("throughput_rps", [("1P3D", 16000, 256, 32)]),
+    "prefill per prompt": ("ttft_mean_ms", [("replicas", 1000, 512, 128)]),
+    "prompt latency": ("ttft_mean_ms", [("replicas", 16000, 256, 32), ("replicas", 32000, 128, 16)]),
+}
+
+
+@dataclass(frozen=True)
+class FourRow:
+    """One system at one point of the four-GPU run, as ``vllm bench serve`` measured it."""
+
+    system: str
+    workload: Workload  # the same traffic: fixed lengths, as many prompts, as many in flight
+    slo: SLO
+    throughput_rps: float
+    goodput_per_gpu: float  # at the point's SLO pair
+    ttft_mean_ms: float
+    tpot_mean_ms: float
+
+    @property
+    def key(self) -> FourKey:
+        w = self.workload
+        return self.system, w.input_len.low, w.output_len.low, w.concurrency or 0
+
+
+def load_four(directory: Path = FOUR_GPU) -> list[FourRow]:
+    """The replicas, 1P3D and 3P1D rows of the four-GPU run's matrix."""
+    rows = []
+    for i, o, c, slo in FOUR_POINTS:
+        for system in FOUR_SYSTEMS:
+            row = json.loads((directory / "rows" / f"{system}-{i}x{o}-c{c}-slo{slo.ttft_ms:g}-{slo.tpot_ms:g}.row.json").read_text())
+            s = row["summary"]
+            workload = Workload(Lengths(i, i), Lengths(o, o), row["prompts"], concurrency=c)
+            rows.append(FourRow(system, workload, slo, s["request_throughput"], s["target"]["per_gpu"], s["ttft_ms"]["mean"], s["tpot_ms"]["mean"]))
+    return rows
+
+
+def refit(base: Profile, rows: list[FourRow]) -> Profile:
+    """``base`` with the four-GPU run's cache and the quantities of :data:`FOUR_FITS`, in that order (module docstring)."""
+    of = {r.key: r for r in rows}
+    lone = [n for n, _ in base.prompt_latency_ms]
+    ttft = lambda p, key: predict(p, FOUR_SYSTEMS[key[0]], of[key].workload, of[key].slo).ttft_mean_ms  # noqa: E731
+
+    def costs(per_token: float, per_prompt: float) -> Profile:
+        """``base`` at these prefill costs, its latencies lowered by what the lone prompts' steps gained (lone TTFTs kept)."""
+        p = base.model_copy(update={"cache_bytes": FOUR_KV_CACHE_BYTES, "prefill_per_token_ms": per_token, "prefill_per_prompt_ms": per_prompt})
+        table = [(n, max(ms + engine_prefill_ms(base, n) - engine_prefill_ms(p, n), 0.0)) for n, ms in base.prompt_latency_ms]
+        return p.model_copy(update={"prompt_latency_ms": table})
+
+    ((bound, *_),) = [FOUR_FITS["prefill per token"][1]]
+    p = match_throughput(lambda x: costs(x, 0.0), FOUR_SYSTEMS[bound[0]], of[bound].workload, of[bound].throughput_rps, high=1.0)
+    (waves,) = FOUR_FITS["prefill per prompt"][1]
+    per_token = p.prefill_per_token_ms
+    p = costs(per_token, bisect_root(lambda x: ttft(costs(per_token, x), waves) - of[waves].ttft_mean_ms, 0.0, 50.0))
+    for key in FOUR_FITS["prompt latency"][1]:
+        n = key[1]
+        if n <= lone[-1]:
+            raise ValueError(f"{n} tokens is within the lone prompts' table: its latency is fitted there")
+        at = lambda ms: p.model_copy(update={"prompt_latency_ms": [*p.prompt_latency_ms, (n, ms)]})  # noqa: E731
+        p = at(bisect_root(lambda ms: ttft(at(ms), key) - of[key].ttft_mean_ms, 0.0, 2000.0))
+    source = (f"{base.source}; refitted by python -m hybrid_pd.sizing.matrix refit from the four-H100 run of 2026-11-27 "
+              "(hybrid_pd/bench/results/2026-11-27-h100x4-planner): prefill per token and per prompt, long prompts' latency, 14 GiB cache")
+    return p.model_copy(update={"source": source})
+
+
+def four_table(profile: Profile, rows: list[FourRow]) -> str:
+    """Predicted / measured goodput per GPU (and TTFT, TPOT means) of every four-GPU row; a figure fitted to is starred."""
+    fitted_to = {key: metric for metric, keys in FOUR_FITS.values() for key in keys}
+    lines = ["| point | system | goodput /GPU predicted / measured | error | TTFT mean ms | TPOT mean ms | req/s |", "|" + "---|" * 7]
+    for r in rows:
+        p = predict(profile, FOUR_SYSTEMS[r.system], r.workload, r.slo)
+        w, mark = r.workload, lambda m: "*" if fitted_to.get(r.key) == m else ""  # noqa: E731
+        lines.append(
+            f"| {w.input_len}/{w.output_len} @ {w.concurrency}, {r.slo} | {r.system} | {p.goodput_per_gpu:.2f} / {r.goodput_per_gpu:.2f} | "
+            f"{(p.goodput_per_gpu - r.goodput_per_gpu) / r.goodput_per_gpu:+.0%} | {mark('ttft_mean_ms')}{p.ttft_mean_ms:.0f} / {r.ttft_mean_ms:.0f} | "
+            f"{p.tpot_mean_ms:.1f} / {r.tpot_mean_ms:.1f} | {mark('throughput_rps')}{p.throughput_rps:.2f} / {r.throughput_rps:.2f} |"
+        )
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,7 +296,16 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("check", help="simulate every replicas and pd row of the matrix with a profile; print the table")
     c.add_argument("--profile", type=Path, required=True)
     c.add_argument("--json", type=Path, help="write the comparison here")
+    r = sub.add_parser("refit", help="refit a profile to the four-H100 run (module docstring), write it and print the comparison")
+    r.add_argument("--base", type=Path, required=True, help="a profile fitted from the two-GPU matrix (fit)")
+    r.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
+    if args.command == "refit":
+        rows = load_four()
+        profile = refit(Profile.load(args.base), rows)
+        profile.save(args.out)
+        print(f"wrote {args.out}\n{four_table(profile, rows)}")
+        return 0
     matrix = load_matrix()
     if args.command == "fit":
         fit(matrix, json.loads(SWEEP.read_text())).save(args.out)

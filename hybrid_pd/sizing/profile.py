@@ -9,7 +9,12 @@ each number read on its own:
   (``per_context_token_ms`` per token of context of those rows); every prompt token computed in
   the same step (chunked prefill mixes them in) adds ``prefill_per_token_ms``. Linear, because
   prefill at full token budget is compute-bound and a decode step is bandwidth-bound, and because
-  a mixed step then costs what its parts cost: no regime boundary to fit.
+  a mixed step then costs what its parts cost: no regime boundary to fit. Each prompt in the
+  step adds ``prefill_per_prompt_ms`` besides its tokens (default 0): the four-H100 run's waves of
+  1000-token prompts, eight to a step, took ~0.029 ms a token while one prefill worker computed
+  16000- and 32000-token prompts at ~0.0265, so a prompt costs something of its own (the Mamba
+  scan works in chunks, a prompt's last one partly empty); without it the replicas' TTFT under
+  load was ~100 ms short and their goodput at a 500 ms target 1.8x too high.
 - **Prompt latency** (:meth:`Profile.prompt_latency_ms`): the time a prompt's first token takes
   beyond the engine's step, holding no GPU (what a lone request's TTFT has over its step: the
   server's frontend, and whatever else a measurement shows). A piecewise-linear table over prompt
@@ -94,6 +99,7 @@ class Profile(_Frozen):
     max_num_batched_tokens: int = Field(gt=0)
     decode: DecodeStep
     prefill_per_token_ms: float = Field(ge=0)
+    prefill_per_prompt_ms: float = Field(0.0, ge=0)  # each prompt (or chunk of one) in a step, besides its tokens
     prompt_latency_ms: list[tuple[int, float]] = Field(min_length=1)  # (prompt tokens, ms), tokens increasing
     handoff_ms: float = Field(ge=0)
     transfer: Transfer
@@ -108,10 +114,11 @@ class Profile(_Frozen):
             raise ValueError("give [tokens, ms] points with tokens increasing and ms >= 0")
         return points
 
-    def step_ms(self, rows: int, context_tokens: int, prompt_tokens: int) -> float:
-        """One engine step: ``rows`` decode rows over ``context_tokens`` tokens of context, and ``prompt_tokens`` prompt tokens."""
+    def step_ms(self, rows: int, context_tokens: int, prompt_tokens: int, prompts: int = 0) -> float:
+        """One engine step: ``rows`` decode rows over ``context_tokens`` tokens of context, and ``prompt_tokens`` tokens of ``prompts`` prompts."""
         d = self.decode
-        return d.base_ms + d.per_seq_ms * rows + d.per_context_token_ms * context_tokens + self.prefill_per_token_ms * prompt_tokens
+        prefill = self.prefill_per_token_ms * prompt_tokens + self.prefill_per_prompt_ms * prompts
+        return d.base_ms + d.per_seq_ms * rows + d.per_context_token_ms * context_tokens + prefill
 
     def prompt_latency_ms_at(self, tokens: int) -> float:
         """The prompt latency table at ``tokens``: linear between its points, flat beyond its ends."""
