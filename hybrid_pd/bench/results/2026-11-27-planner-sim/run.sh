@@ -3,7 +3,7 @@
 # point of the two-GPU matrix of docs/performance.md as one phase. CPU only, about a minute. Writes beside this script.
 set -euo pipefail
 cd "$(dirname "$0")"
-four=h100x4-profile.json  # ../2026-11-25-h100x2-sizing/profile.json with cache_bytes 14 GiB, as the four-GPU run's servers
+four=../2026-11-27-sim-refit/h100x4-profile.json  # refitted to the four-GPU run (docs/sizing.md, "Against the four-H100 run")
 two=../2026-11-25-h100x2-sizing/profile.json
 hybrid-pd size --profile $four --gpus 4 --slo-ttft-ms 4000 --slo-tpot-ms 15 \
   --phases 1000/512@64x384,16000/256@32x192,1000/512@64x384 --json four-gpu-phases.json | tee four-gpu-phases.txt
