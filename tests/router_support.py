@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import httpx
 
+from hybrid_pd.connector.contract import HANDOFF_PATH
 from hybrid_pd.router.app import RouterApp, create_app
 from hybrid_pd.router.settings import RouterSettings
 
@@ -30,12 +31,15 @@ class Workers:
         )
         self.decode_stream: list[bytes] | None = None
         self.decode_breaks = False
+        self.handoff = False  # whether they answer the early decode leg's probe (hybrid_pd/connector/vllm/handoff.py)
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         worker = "prefill" if request.url.host == "prefill.test" else "decode"
         if request.method == "GET":  # health checks and identity probes
             if request.url.path == "/v1/models":
                 return httpx.Response(200, json={"object": "list", "data": [{"id": "m", "root": f"/{worker}"}]})
+            if request.url.path == HANDOFF_PATH:
+                return httpx.Response(200 if self.handoff else 404, json={})
             return httpx.Response(200, json={"version": "test"} if request.url.path == "/version" else {})
         body = json.loads(request.content) if request.content else {}
         self.calls.append((worker, body, request.headers))

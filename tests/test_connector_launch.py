@@ -162,9 +162,30 @@ def test_traced_workers_get_the_trace_folder():
 def test_timelined_workers_time_their_server_and_engine_as_their_role(role):
     launch = build_launch(_spec(role, timeline_dir="/tmp/tl"))
     assert (launch.env[TIMELINE_DIR_ENV], launch.env[TIMELINE_SOURCE_ENV]) == ("/tmp/tl", role)
-    assert _flag(launch.argv, "--middleware") == "hybrid_pd.connector.trace.http.TimelineMiddleware"
+    assert TIMELINE in _middlewares(launch.argv)
     for spec in (_spec(role), _spec("colocated", side_channel_port=0, timeline_dir="/tmp/tl")):
-        assert "--middleware" not in build_launch(spec).argv and TIMELINE_DIR_ENV not in build_launch(spec).env
+        assert TIMELINE not in _middlewares(build_launch(spec).argv) and TIMELINE_DIR_ENV not in build_launch(spec).env
+
+
+def _middlewares(argv: list[str]) -> list[str]:
+    return [argv[i + 1] for i, a in enumerate(argv) if a == "--middleware"]
+
+
+TIMELINE, HANDOFF = "hybrid_pd.connector.trace.http.TimelineMiddleware", "hybrid_pd.connector.vllm.handoff.HandoffMiddleware"
+
+
+def test_every_pd_worker_holds_early_decode_legs_inside_the_timelines_edge():
+    """vLLM wraps each --middleware around the ones before: the timeline, given last, sees a held leg arrive."""
+    for role in ("prefill", "decode", "flex"):
+        assert _middlewares(build_launch(_spec(role)).argv) == [HANDOFF]
+    assert _middlewares(build_launch(_spec("decode", timeline_dir="/tmp/tl")).argv) == [HANDOFF, TIMELINE]
+    assert _middlewares(build_launch(_spec("colocated", side_channel_port=0)).argv) == []
+
+
+@pytest.mark.parametrize("arg", [("--api-server-count=2",), ("--api-server-count", "2"), ("-asc", "4")])
+def test_a_server_of_several_api_processes_takes_no_early_legs(arg):
+    """A push taken by one process would not reach the leg another holds: such a worker does not answer the router's probe."""
+    assert HANDOFF not in _middlewares(build_launch(_spec("decode", vllm_args=arg)).argv)
 
 
 def test_workers_that_decode_await_their_pulls_only_when_asked():

@@ -15,6 +15,7 @@ import pytest
 from hybrid_pd.bench.gpu.goodput import (
     SYSTEMS,
     Point,
+    _system_order,
     Workload,
     _server_flags,
     matrix_points,
@@ -23,6 +24,8 @@ from hybrid_pd.bench.gpu.goodput import (
     phase_table,
     planner_lines,
     settle_prompts,
+    span_summary,
+    span_table,
     summarize,
     summarize_run,
     system,
@@ -163,6 +166,23 @@ def test_systems_are_layouts_over_a_colocated_server_and_a_flex_worker_per_gpu()
     with pytest.raises(SystemExit):  # the planner's router cannot start without the profile
         parse_args(["run", "--out", "/tmp/x", "--model", "/tmp/x", "--gpus", "4", "--systems", "planner"])
     assert parse_args(["report", "--out", "/tmp/x", "--model", "/tmp/x", "--gpus", "4"]).systems == ["replicas", "1P3D", "adaptive"]
+
+
+def test_a_sequential_split_is_the_split_whose_router_sends_its_legs_one_after_the_other():
+    """Issue #35's before/after on one set of servers: the same workers, the router's early decode legs off."""
+    urls = {name: f"http://{name}" for name in needed_servers(["1P1D"], 2)}
+    early, sequential = system("1P1D", 2), system("1P1D-sequential", 2)
+    assert sequential.legs == early.legs and needed_servers(["1P1D-sequential"], 2) == ["flex0", "flex1"]
+    assert sequential.router_argv(urls, (500, 20), 9000)[-1] == "--no-early-decode"
+    assert "--no-early-decode" not in early.router_argv(urls, (500, 20), 9000)
+    assert sorted(["1P1D-sequential", "replicas", "1P1D"], key=_system_order) == ["replicas", "1P1D", "1P1D-sequential"]
+
+
+def test_the_routers_spans_are_summarised_and_tabled_per_run():
+    spans = span_summary({"prefill_leg": [0.010, 0.030, 0.020], "decode_leg": [], "after_prefill": [0.005], "ttft": [0.04]})
+    assert spans["prefill_leg"] == {"p50": 20.0, "mean": 20.0, "n": 3} and spans["decode_leg"] == {"p50": None, "mean": None, "n": 0}
+    text = span_table([{"workload": "1000/32", "level": 1, "system": "1P1D", "router_spans_ms": spans}, {"workload": "1000/32", "level": 1, "system": "replicas"}])
+    assert text.splitlines()[2] == "| 1000/32 | 1 | 1P1D | 20.0 / 20.0 | - | 5.0 / 5.0 | 40.0 / 40.0 |" and len(text.splitlines()) == 3
 
 
 def test_every_split_the_simulator_lays_out_is_a_runner_system_of_as_many_workers():

@@ -11,7 +11,7 @@ import json
 import pytest
 
 from hybrid_pd.bench.budget import budget, budgets, format_budget
-from hybrid_pd.bench.timeline import CHAIN, RESIDUAL, SEGMENTS, load_events, request_group, timelines
+from hybrid_pd.bench.timeline import CHAIN, EARLY_CHAIN, EARLY_SEGMENTS, RESIDUAL, SEGMENTS, load_events, request_group, router_spans, timelines
 from hybrid_pd.connector.trace.timeline import TimelineWriter
 
 
@@ -33,7 +33,7 @@ class _Proc:
         self.path.write_text("".join(json.dumps(line) + "\n" for line in self.lines))
 
 
-def _trace(tmp_path, rid: str = "run-endpoint-c1-0", t0: float = 1000.0, decode_clock_error: float = 0.0, skip: str | None = None):
+def _trace(tmp_path, rid: str = "run-endpoint-c1-0", t0: float = 1000.0, decode_clock_error: float = 0.0, skip: str | None = None, chain=CHAIN):
     """A whole P/D request: every event of the chain, 1 ms apart (2 ms for the transfer), in four processes."""
     for f in tmp_path.glob("timeline-*.jsonl"):
         f.unlink()
@@ -42,7 +42,7 @@ def _trace(tmp_path, rid: str = "run-endpoint-c1-0", t0: float = 1000.0, decode_
     prefill_engine = _Proc(tmp_path, "prefill", 20.0, 5)
     req_p, req_d = f"cmpl-{rid}-0-aaaa", f"cmpl-{rid}-0-bbbb"
     t = t0
-    for (source, name), segment_name, _ in CHAIN:
+    for (source, name), segment_name, _ in chain:
         t += 0.002 if segment_name == "pull_transfer" else 0.001 if segment_name else 0
         if name == skip:
             continue
@@ -72,6 +72,36 @@ def test_every_segment_of_a_whole_request_is_measured_and_they_add_up_to_the_rou
     assert found.segments["pull_transfer"] == pytest.approx(0.002)
     assert all(v == pytest.approx(0.001) for name, v in found.segments.items() if name != "pull_transfer")
     assert found.residual_s == pytest.approx(0.0, abs=1e-9)
+
+
+def test_an_early_decode_legs_request_is_measured_along_its_own_chain(tmp_path):
+    """The early leg went to the decode worker before the prefill leg: its trip is off the chain, the push on it."""
+    total = _trace(tmp_path, chain=EARLY_CHAIN)
+    with (tmp_path / "timeline-router-1.jsonl").open("a") as f:  # the early leg's own trip, during the prefill
+        f.write(json.dumps({"ev": "decode_sent", "rid": "run-endpoint-c1-0", "mono": 1000.0005 - 10.0, "wall": 1000.0005}) + "\n")
+    (found,) = timelines(load_events(tmp_path))
+    assert found.early and found.complete and found.ttft_s == pytest.approx(total)
+    assert list(found.segments) == [s.name for s in EARLY_SEGMENTS]
+    assert "handoff_push" in found.segments and "prefill_answer" not in found.segments
+    assert found.residual_s == pytest.approx(0.0, abs=1e-9)
+    b = budget("g", [found])
+    assert [r.name for r in b.rows] == [s.name for s in EARLY_SEGMENTS] + [RESIDUAL.name]
+
+
+def test_the_routers_own_events_give_its_legs_and_ttft_whatever_the_workers_recorded(tmp_path):
+    _trace(tmp_path)
+    router_only = [e for e in load_events(tmp_path) if e.source == "router"]
+    spans = router_spans(router_only)
+    (found,) = timelines(load_events(tmp_path))
+    assert spans["ttft"] == [pytest.approx(found.ttft_s)]
+    names = [s.name for s in SEGMENTS]
+
+    def summed(first: str, last: str) -> float:
+        return sum(found.segments[n] for n in names[names.index(first) : names.index(last) + 1])
+
+    assert spans["prefill_leg"] == [pytest.approx(summed("prefill_leg_in", "prefill_answer_in"))]
+    assert spans["decode_leg"] == [pytest.approx(summed("decode_leg_in", "decode_first_byte_in"))]
+    assert spans["after_prefill"] == [pytest.approx(summed("router_between_legs", "decode_first_byte_in"))]
 
 
 def test_a_hosts_clock_error_moves_time_between_crossing_segments_but_not_the_total(tmp_path):

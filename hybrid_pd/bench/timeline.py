@@ -6,7 +6,11 @@ router's arrival to its first byte to the client:
 
     router.http_in -> router.prefill_sent -> prefill.http_in -> prefill.engine_in -> ... -> router.http_out
 
-(:data:`CHAIN`; each link is a :class:`Segment`). The router's TTFT (``http_in`` to
+(:data:`CHAIN`; each link is a :class:`Segment`). An early decode leg (sent with the prefill leg,
+held in the decode worker's server until the prefill's engine pushes the state's whereabouts:
+``hybrid_pd/connector/vllm/handoff.py``) has its own chain, :data:`EARLY_CHAIN`: from the
+prefill's end it goes through the push (``handoff_in``) to the decode's engine; the early leg's
+own trip to the decode worker ran during the prefill, off the chain. The router's TTFT (``http_in`` to
 ``http_out`` on its monotonic clock) is the total; the segments telescope, so they add up to
 it exactly when every event is there, and what a missing event leaves uncovered is the
 ``residual``, shown as a segment of its own, never spread over the others.
@@ -32,7 +36,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["CHAIN", "Event", "RequestTimeline", "Segment", "SEGMENTS", "join", "load_events", "request_group", "timelines"]
+__all__ = ["CHAIN", "EARLY_CHAIN", "EARLY_SEGMENTS", "Event", "ROUTER_SPANS", "RequestTimeline", "Segment", "SEGMENTS", "join", "load_events", "request_group", "router_spans", "timelines"]
 
 Mark = tuple[str, str]  # (source, event)
 
@@ -48,7 +52,7 @@ class Segment:
 
 
 # The events of a P/D request in the order they happen, with the segment each one ends.
-CHAIN: tuple[tuple[Mark, str, str], ...] = (
+_PREFILL_LEG: tuple[tuple[Mark, str, str], ...] = (
     (("router", "http_in"), "", ""),
     (("router", "prefill_sent"), "router_to_prefill_leg", "router: arrival -> prefill leg sent (pairing, body)"),
     (("prefill", "http_in"), "prefill_leg_in", "prefill leg: router -> prefill's vLLM server"),
@@ -56,10 +60,8 @@ CHAIN: tuple[tuple[Mark, str, str], ...] = (
     (("prefill", "queued"), "prefill_to_engine", "prefill: frontend -> engine core"),
     (("prefill", "scheduled"), "prefill_queue", "prefill: queued -> scheduled"),
     (("prefill", "done"), "prefill_forward", "prefill: forward, token sampled, state held"),
-    (("prefill", "http_out"), "prefill_answer", "prefill: engine output -> answer written"),
-    (("router", "prefill_answered"), "prefill_answer_in", "prefill answer -> router, read"),
-    (("router", "decode_sent"), "router_between_legs", "router: between the legs"),
-    (("decode", "http_in"), "decode_leg_in", "decode leg: router -> decode's vLLM server"),
+)
+_DECODE_ENGINE: tuple[tuple[Mark, str, str], ...] = (
     (("decode", "engine_in"), "decode_frontend", "decode: request parsed, prompt rendered (vLLM frontend)"),
     (("decode", "queued"), "decode_to_engine", "decode: frontend -> engine core"),
     (("decode", "pull_queued"), "decode_queue", "decode: queued -> pull allocated"),
@@ -70,9 +72,27 @@ CHAIN: tuple[tuple[Mark, str, str], ...] = (
     (("router", "decode_first_byte"), "decode_first_byte_in", "decode first byte -> router"),
     (("router", "http_out"), "router_relay", "router: first byte relayed to the client"),
 )
-SEGMENTS: tuple[Segment, ...] = tuple(
-    Segment(name, label, CHAIN[i - 1][0], mark) for i, (mark, name, label) in enumerate(CHAIN) if i > 0
+CHAIN: tuple[tuple[Mark, str, str], ...] = (
+    *_PREFILL_LEG,
+    (("prefill", "http_out"), "prefill_answer", "prefill: engine output -> answer written"),
+    (("router", "prefill_answered"), "prefill_answer_in", "prefill answer -> router, read"),
+    (("router", "decode_sent"), "router_between_legs", "router: between the legs"),
+    (("decode", "http_in"), "decode_leg_in", "decode leg: router -> decode's vLLM server"),
+    *_DECODE_ENGINE,
 )
+EARLY_CHAIN: tuple[tuple[Mark, str, str], ...] = (
+    *_PREFILL_LEG,
+    (("decode", "handoff_in"), "handoff_push", "prefill's engine -> its push at the decode's server, early leg goes on"),
+    *_DECODE_ENGINE,
+)
+
+
+def _segments(chain: tuple[tuple[Mark, str, str], ...]) -> tuple[Segment, ...]:
+    return tuple(Segment(name, label, chain[i - 1][0], mark) for i, (mark, name, label) in enumerate(chain) if i > 0)
+
+
+SEGMENTS = _segments(CHAIN)
+EARLY_SEGMENTS = _segments(EARLY_CHAIN)
 RESIDUAL = Segment("residual", "residual (TTFT not covered by the segments above)", CHAIN[0][0], CHAIN[-1][0])
 
 # Events a TP group's every rank writes: the pull is posted when the first rank posts and done when the last is.
@@ -145,6 +165,29 @@ def join(events: Iterable[Event]) -> dict[str, Marks]:
     return {rid: Marks(marks, rid in repeated) for rid, marks in found.items()}
 
 
+# What a router alone records of a P/D request, (first event, last event) each: the spans a trace of the router's
+# events only gives (``hybrid_pd/bench/gpu/goodput.py --router-timeline``), whatever the workers record.
+ROUTER_SPANS: dict[str, tuple[str, str]] = {
+    "prefill_leg": ("prefill_sent", "prefill_answered"),
+    "decode_leg": ("decode_sent", "decode_first_byte"),  # an early leg's starts before the prefill leg's
+    "after_prefill": ("prefill_answered", "decode_first_byte"),  # the prefill's answer in, to the decode's first byte
+    "ttft": ("http_in", "http_out"),
+}
+
+
+def router_spans(events: Iterable[Event]) -> dict[str, list[float]]:
+    """Seconds of each of :data:`ROUTER_SPANS`, over the requests whose router recorded both its events (legs sent twice left out)."""
+    spans: dict[str, list[float]] = {name: [] for name in ROUTER_SPANS}
+    for marks in join(e for e in events if e.source == "router").values():
+        if marks.repeated:
+            continue
+        for name, (first, last) in ROUTER_SPANS.items():
+            start, end = marks.events.get(("router", first)), marks.events.get(("router", last))
+            if start is not None and end is not None:
+                spans[name].append(between(start, end))
+    return spans
+
+
 def between(start: Event, end: Event) -> float:
     """Seconds from ``start`` to ``end``: monotonic within one process, wall clock across processes."""
     if start.process == end.process and start.mono is not None and end.mono is not None:
@@ -161,6 +204,7 @@ class RequestTimeline:
     segments: Mapping[str, float | None]
     residual_s: float
     repeated: bool
+    early: bool = False  # an early decode leg's request: the segments are EARLY_SEGMENTS'
 
     @property
     def complete(self) -> bool:
@@ -184,12 +228,13 @@ def request_timeline(rid: str, marks: Marks) -> RequestTimeline | None:
     if arrived is None or answered is None:
         return None
     ttft = between(arrived, answered)
+    early = ("decode", "handoff_in") in marks.events
     segments: dict[str, float | None] = {}
-    for segment in SEGMENTS:
+    for segment in EARLY_SEGMENTS if early else SEGMENTS:
         start, end = marks.events.get(segment.start), marks.events.get(segment.end)
         segments[segment.name] = None if start is None or end is None else between(start, end)
     residual = ttft - sum(v for v in segments.values() if v is not None)
-    return RequestTimeline(rid, ttft, segments, residual, marks.repeated)
+    return RequestTimeline(rid, ttft, segments, residual, marks.repeated, early)
 
 
 def timelines(events: Iterable[Event], rids: Iterable[str] | None = None) -> list[RequestTimeline]:

@@ -52,6 +52,9 @@ class WorkerIdentity:
     # What the worker's start-up check found in its vLLM, {piece: "vllm" | "fallback:<how>"}
     # (hybrid_pd.connector.vllm.capabilities); informational, not a pairing rule.
     capabilities: dict[str, str] | None = None
+    # Whether it takes early decode legs and pushes hand-offs (hybrid_pd.connector.vllm.handoff; its vLLM server
+    # answers GET HANDOFF_PATH); None: unknown. Not a pairing rule: the router sends such a pair's legs at once.
+    handoff: bool | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

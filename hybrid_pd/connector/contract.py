@@ -16,6 +16,9 @@ __all__ = [
     "DELAY_ENV",
     "ENGINE_FIXES_ENV",
     "FAILED_PULLS",
+    "HANDOFF_KEY_PARAM",
+    "HANDOFF_PATH",
+    "HANDOFF_URL_PARAM",
     "LOCAL_PROMPT_TOKENS",
     "MERGE_ENV",
     "TEST_ONLY_DISABLE_ENV",
@@ -57,3 +60,11 @@ CPU_PREFIX_CACHING = "cpu_prefix_caching"
 # The hand-off timeline (hybrid_pd.connector.trace): its folder, and which role writes.
 TIMELINE_DIR_ENV = "HYBRID_PD_TIMELINE_DIR"
 TIMELINE_SOURCE_ENV = "HYBRID_PD_TIMELINE_SOURCE"
+
+# The early decode leg (hybrid_pd.connector.vllm.handoff): the router sends the decode leg with the prefill leg; the
+# prefill's engine pushes the state's whereabouts (its kv_transfer_params) to the decode worker's vLLM server at
+# HANDOFF_PATH the moment the prefill ends, where the early leg waits for them. A worker whose server answers
+# GET HANDOFF_PATH with 200 takes part. The legs' kv_transfer_params name the hand-off:
+HANDOFF_PATH = "/hybrid_pd/handoff"
+HANDOFF_KEY_PARAM = "hybrid_pd_handoff_key"  # both legs: the pair's key, the same on both
+HANDOFF_URL_PARAM = "hybrid_pd_handoff_url"  # the prefill leg: the decode worker's vLLM server, where to push

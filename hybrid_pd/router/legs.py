@@ -7,6 +7,11 @@ client's own request plus those parameters, unchanged, and pulls the state over
 NIXL. For hybrid models the prefill stops at token N-1 and the decode worker
 recomputes token N, so the token the prefill samples is never shown to the client.
 
+An early decode leg (:func:`early_decode_body`) is sent with the prefill leg, before there are
+parameters to give it: both legs carry one key (``hybrid_pd_handoff_key``), and the prefill leg
+the decode worker's URL, where the prefill's engine pushes its parameters the moment it ends
+(``hybrid_pd/connector/vllm/handoff.py`` says why). Both workers must take part.
+
 Both legs' ``kv_transfer_params`` also carry the router's id of the leg
 (:data:`~hybrid_pd.connector.trace.timeline.REQUEST_ID_PARAM`): vLLM renames a request inside its engine,
 and the hand-off timeline (``hybrid_pd/connector/vllm/timeline_engine.py``) names the engine's events by
@@ -15,12 +20,14 @@ the router's id. vLLM's connector ignores keys it does not know.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
+from hybrid_pd.connector.contract import HANDOFF_KEY_PARAM, HANDOFF_URL_PARAM
 from hybrid_pd.connector.trace.timeline import REQUEST_ID_PARAM
 from hybrid_pd.router.jsoncodec import ENCODER, dumps
 
-__all__ = ["PREFILL_KV_TRANSFER_PARAMS", "LegEncoder", "prefill_body", "decode_body"]
+__all__ = ["PREFILL_KV_TRANSFER_PARAMS", "Handoff", "LegEncoder", "decode_body", "early_decode_body", "prefill_body"]
 
 # What the prefill leg asks for: keep the state for a remote decode worker to pull.
 PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {
@@ -36,15 +43,34 @@ PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {
 _DROPPED_FOR_PREFILL = ("stream", "stream_options", "min_tokens")
 
 
-def prefill_body(body: dict[str, Any], request_id: str | None = None) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Handoff:
+    """An early decode leg's pairing: the key both legs carry, and the decode worker's URL the prefill pushes to."""
+
+    key: str
+    decode_url: str
+
+
+def prefill_body(body: dict[str, Any], request_id: str | None = None, handoff: Handoff | None = None) -> dict[str, Any]:
     """The prefill leg's request: the client's request cut to one token, not streamed; ``request_id``: the leg's."""
     out = {k: v for k, v in body.items() if k not in _DROPPED_FOR_PREFILL}
     out["max_tokens"] = 1
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
     out["stream"] = False
-    out["kv_transfer_params"] = {**PREFILL_KV_TRANSFER_PARAMS, **({} if request_id is None else {REQUEST_ID_PARAM: request_id})}
+    params = {**PREFILL_KV_TRANSFER_PARAMS, **({} if request_id is None else {REQUEST_ID_PARAM: request_id})}
+    if handoff is not None:
+        params[HANDOFF_KEY_PARAM], params[HANDOFF_URL_PARAM] = handoff.key, handoff.decode_url
+    out["kv_transfer_params"] = params
     return out
+
+
+def early_decode_body(body: dict[str, Any], handoff: Handoff, request_id: str | None = None) -> dict[str, Any]:
+    """The decode leg sent with the prefill leg: the client's request, waiting in the decode engine for ``handoff.key``'s parameters."""
+    params = {"do_remote_prefill": True, HANDOFF_KEY_PARAM: handoff.key}
+    if request_id is not None:
+        params[REQUEST_ID_PARAM] = request_id
+    return {**body, "kv_transfer_params": params}
 
 
 def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any] | None, request_id: str | None = None) -> dict[str, Any]:

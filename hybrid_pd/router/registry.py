@@ -24,6 +24,7 @@ from prometheus_client import Gauge
 from hybrid_pd.common.logs import kv
 from hybrid_pd.common.prom import cache_block_size, prefix_hit_tokens
 from hybrid_pd.connector.compat import IncompatibleWorkers, WorkerIdentity, check_pair, check_worker
+from hybrid_pd.connector.contract import HANDOFF_PATH
 from hybrid_pd.router.load import LiveLoad
 from hybrid_pd.router.prefix_index import SentPrefixes
 from hybrid_pd.router.upstream import Upstream
@@ -272,10 +273,13 @@ async def probe_identity(upstream: Upstream, url: str, role: RoleName) -> Worker
         version = (await upstream.get(url + "/version", timeout=5)).json().get("version")
     except (httpx.HTTPError, ValueError):
         pass
+    handoff = None
+    with contextlib.suppress(httpx.HTTPError):
+        handoff = (await upstream.get(url + HANDOFF_PATH, timeout=5)).status_code == 200
     block_size = hit_tokens = None
     try:
         metrics = (await upstream.get(url + "/metrics", timeout=5)).text
         block_size, hit_tokens = cache_block_size(metrics), prefix_hit_tokens(metrics)
     except httpx.HTTPError:
         pass
-    return WorkerIdentity(role=role, model=entry["id"], block_size=block_size, prefix_hit_tokens=hit_tokens, vllm_version=version)
+    return WorkerIdentity(role=role, model=entry["id"], block_size=block_size, prefix_hit_tokens=hit_tokens, vllm_version=version, handoff=handoff)

@@ -7,6 +7,10 @@ prefill worker's refusal (4xx) is the client's answer, and a decode worker that 
 before its first byte is replaced once. Every leg in flight holds a registry
 :class:`~hybrid_pd.router.registry.Lease`, released when the leg ends however it ends.
 
+Where both workers take part (``--early-decode``, the default), the decode leg is sent with the
+prefill leg and waits in the decode worker for the state (:func:`hybrid_pd.router.legs.early_decode_body`);
+a prefill leg that gives no state closes it, and the request goes on as above.
+
 With ``--timeline-dir`` each leg's hand-offs are recorded (:mod:`hybrid_pd.connector.trace.timeline`):
 ``prefill_sent``, ``prefill_answered``, ``decode_sent`` and a stream's ``decode_first_byte``,
 named by the leg's request id (the one its ``X-Request-Id`` and ``kv_transfer_params`` carry).
@@ -15,8 +19,10 @@ named by the leg's request id (the one its ``X-Request-Id`` and ``kv_transfer_pa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -26,7 +32,7 @@ import httpx
 from hybrid_pd.common.logs import kv
 from hybrid_pd.common.openai_errors import OpenAIError
 from hybrid_pd.connector.trace.timeline import TimelineWriter, writer_for
-from hybrid_pd.router.legs import LegEncoder, decode_body, prefill_body
+from hybrid_pd.router.legs import Handoff, LegEncoder, decode_body, early_decode_body, prefill_body
 from hybrid_pd.router.migration import Opened, is_migratable, migrating_chunks, with_stall_timeout, with_token_ids
 from hybrid_pd.router.policies import RequestInfo
 from hybrid_pd.router.registry import Lease, Worker
@@ -227,19 +233,32 @@ async def route(state: RouterState, path: str, body: dict[str, Any], request_id:
         lease = state.registry.lease(decode, info.est_tokens)
         choice = pairing.prefill(decode, info)
         kv_params, prefill_usage, reason = None, None, choice.reason
+        early: asyncio.Future[Routed | None] | None = None
         if choice.worker is not None:
-            leg_body = encoder.encode(prefill_body(body, request_id))
+            handoff = _handoff(state, choice.worker, decode)
+            if handoff is not None:  # the decode leg goes now and waits in the decode engine for the prefill's push
+                if trace is not None:
+                    trace.event("decode_sent", rid=request_id)
+                leg_body = encoder.encode(early_decode_body(body, handoff, request_id))
+                early = asyncio.ensure_future(_decode_leg(state, decode, lease, path, leg_body, headers, None, attempt))
+            leg_body = encoder.encode(prefill_body(body, request_id, handoff))
             if trace is not None:
                 trace.event("prefill_sent", rid=request_id)
             leg_started = time.perf_counter()
             try:
                 outcome = await _prefill_leg(state, choice.worker, path, leg_body, headers, info)
-            except BaseException:
-                lease.release()  # cancelled (the client left) during the prefill leg
+            except BaseException:  # cancelled (the client left) during the prefill leg
+                if early is not None:
+                    await _close_early(early)
+                lease.release()
                 raise
             prefill_s += time.perf_counter() - leg_started
             if trace is not None:
                 trace.event("prefill_answered", rid=request_id)
+            if early is not None and (outcome.kind != "state" or outcome.kv_transfer_params is None):
+                await _close_early(early)  # no state for it: it never reached vLLM; the usual legs follow
+                lease.release()
+                early, lease = None, state.registry.lease(decode, info.est_tokens)
             if outcome.kind == "refused":
                 lease.release()
                 return Routed(outcome.response, choice.worker, None, None, time.perf_counter())
@@ -248,10 +267,15 @@ async def route(state: RouterState, path: str, body: dict[str, Any], request_id:
                 reason = "prefill_failed"
         (metrics.disaggregated if kv_params is not None else metrics.fallbacks).labels(reason).inc()
         metrics.overhead.observe(max(0.0, time.perf_counter() - started - prefill_s))
-        leg_body = encoder.encode(decode_body(body, kv_params, request_id))
-        if trace is not None:
-            trace.event("decode_sent", rid=request_id)
-        routed = await _decode_leg(state, decode, lease, path, leg_body, headers, prefill_usage, attempt)
+        if early is not None:
+            routed = await early
+            if routed is not None:
+                routed.prefill_usage = prefill_usage
+        else:
+            leg_body = encoder.encode(decode_body(body, kv_params, request_id))
+            if trace is not None:
+                trace.event("decode_sent", rid=request_id)
+            routed = await _decode_leg(state, decode, lease, path, leg_body, headers, prefill_usage, attempt)
         if routed is not None:
             if log.isEnabledFor(logging.INFO):  # one line per request: skip formatting it when INFO is off
                 log.info(
@@ -265,6 +289,22 @@ async def route(state: RouterState, path: str, body: dict[str, Any], request_id:
             continue
         break
     raise OpenAIError(502, "decode worker failed before answering")
+
+
+def _handoff(state: RouterState, prefill: Worker, decode: Worker) -> Handoff | None:
+    """An early decode leg's hand-off, where the router sends them and both workers take part; else None."""
+    if state.settings.early_decode and prefill.identity.handoff and decode.identity.handoff:
+        return Handoff(uuid.uuid4().hex, decode.url)
+    return None
+
+
+async def _close_early(early: asyncio.Future[Routed | None]) -> None:
+    """End an early decode leg whose prefill gave no state: cancelled, or its open answer closed (its lease: the caller's to release, once more)."""
+    early.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        routed = await early
+        if routed is not None:
+            await routed.aclose()
 
 
 async def _prefill_leg(state: RouterState, prefill: Worker, path: str, leg_body: bytes, headers: dict, info: RequestInfo) -> PrefillOutcome:

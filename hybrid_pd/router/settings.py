@@ -55,6 +55,11 @@ class RouterSettings(BaseSettings):
     prefix_load_slack: Annotated[int, ENV_ONLY] = Field(
         4, ge=0, description="prefix_reuse leaves the worker holding the prefix when it has more legs in flight than the least loaded plus this"
     )
+    early_decode: bool = Field(
+        True,
+        description="send the decode leg with the prefill leg where both workers take part: the decode worker holds it "
+        "until the prefill's engine pushes where the state is, instead of a second leg after the prefill's answer",
+    )
     local_prefill_below_tokens: int = Field(0, ge=0, description="prompts estimated shorter skip the prefill leg (0: always P/D)")
     # The planner (hybrid_pd/router/planner.py): the layout of the flexible workers, from the live traffic and the model's profile.
     slo_ttft_ms: float | None = Field(None, gt=0, description="TTFT target the planner serves to (with --slo-tpot-ms and --planner-profile)")

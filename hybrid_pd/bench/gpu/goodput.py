@@ -22,6 +22,7 @@ only a ``hybrid-pd router`` with other flags, so each system pays the same route
 |---|---|---|
 | ``replicas`` | every colocated server | "just run vLLM replicas", the baseline |
 | ``xPyD`` (x + y = N) | flex0..flex{x-1} as ``--prefill``, the others as ``--decode`` | a fixed split; ``pd`` is ``1P1D`` on two GPUs |
+| ``xPyD-sequential`` | the same, ``--no-early-decode`` | the split with its legs one after the other, as before early decode legs (issue #35) |
 | ``flex`` | every flex worker as ``--flex``, no SLOs | flexible workers serving whole requests |
 | ``adaptive`` | every flex worker, ``--slo-ttft-ms``/``--slo-tpot-ms``, no profile | the phase split of the two-GPU runs, while the router had one |
 | ``planner`` | every flex worker, both SLOs and ``--planner-profile`` | the router gives each flexible worker its role |
@@ -76,6 +77,7 @@ import httpx
 from hybrid_pd.bench.gpu.pd_check import cli
 from hybrid_pd.bench.plot import PlotUnavailable, require_matplotlib
 from hybrid_pd.bench.stats import percentile
+from hybrid_pd.bench.timeline import ROUTER_SPANS, load_events, router_spans
 from hybrid_pd.common.processes import free_port, spawn, stop_group, wait_http_ok
 from hybrid_pd.common.prom import metric_sum
 from hybrid_pd.router.health import wait_routed
@@ -102,6 +104,7 @@ class System:
     legs: tuple[tuple[str, str], ...]
     slo_flags: tuple[str, ...] = ()  # which of --slo-ttft-ms / --slo-tpot-ms the router gets
     planner: bool = False  # the router gets --planner-profile
+    router_flags: tuple[str, ...] = ()  # any other flags of its router
 
     def router_argv(self, urls: dict[str, str], slo: tuple[float, float], port: int, planner_profile: Path | None = None) -> list[str]:
         argv = cli("router", "--port", str(port))
@@ -113,10 +116,10 @@ class System:
             if planner_profile is None:
                 raise ValueError("the planner system needs --planner-profile (a hybrid-pd profile JSON)")
             argv += ["--planner-profile", str(planner_profile)]
-        return argv
+        return argv + list(self.router_flags)
 
 
-_SPLIT = re.compile(r"([1-9]\d*)P([1-9]\d*)D")
+_SPLIT = re.compile(r"([1-9]\d*)P([1-9]\d*)D(-sequential)?")
 
 
 def system(name: str, gpus: int) -> System:
@@ -134,7 +137,8 @@ def system(name: str, gpus: int) -> System:
     prefill, decode = int(split[1]), int(split[2])
     if prefill + decode != gpus:
         raise ValueError(f"{name}: {prefill} + {decode} workers, not the {gpus} GPUs")
-    return System(tuple(("--prefill", f"flex{i}") for i in range(prefill)) + tuple(("--decode", f"flex{i}") for i in range(prefill, gpus)))
+    legs = tuple(("--prefill", f"flex{i}") for i in range(prefill)) + tuple(("--decode", f"flex{i}") for i in range(prefill, gpus))
+    return System(legs, router_flags=("--no-early-decode",) if split[3] else ())
 
 
 # The two-GPU runs' systems by the names their results carry (hybrid_pd.sizing.layouts.RUNNER_SYSTEMS reads them).
@@ -145,7 +149,7 @@ def _system_order(name: str) -> tuple[int, int, str]:
     """Tables list replicas first, then flex, the splits by prefill workers, then the SLO-driven systems."""
     split = _SPLIT.fullmatch(name)
     rank = {"replicas": 0, "flex": 1, "pd": 2, "adaptive": 4, "planner": 5}
-    return (2, int(split[1]), name) if split else (rank.get(name, 6), 0, name)
+    return (2, int(split[1]), name) if split else (rank.get(name, 6), 0, name)  # a sequential split beside its split
 
 
 def slo_label(slo: tuple[float, float]) -> str:
@@ -324,6 +328,19 @@ def table(rows: list[dict[str, Any]], slos: list[str], baseline: str = "replicas
     return "\n".join(lines)
 
 
+def span_table(rows: list[dict[str, Any]]) -> str:
+    """A markdown table of what each run's router recorded of its P/D requests (``--router-timeline``): p50 / mean ms."""
+    names = list(ROUTER_SPANS)
+    lines = ["| workload | in flight | system | " + " | ".join(f"{n} p50 / mean" for n in names) + " |", "|" + "---|" * (3 + len(names))]
+    for r in rows:
+        spans = r.get("router_spans_ms")
+        if spans is None:
+            continue
+        cells = [f"{_ms(spans[n]['p50'])} / {_ms(spans[n]['mean'])}" if spans[n]["n"] else "-" for n in names]
+        lines.append(f"| {r['workload']} | {r['level']} | {r['system']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def phase_table(runs: list[dict[str, Any]], baseline: str = "replicas") -> str:
     """A markdown table of phase-shifting runs: each phase and the whole run (``all``) of each system, against ``baseline``'s."""
     head = ["phase", "traffic", "SLO", "system", "req/s", "goodput /GPU", f"goodput vs {baseline}", f"req/s vs {baseline}",
@@ -452,11 +469,15 @@ def down(args: argparse.Namespace) -> int:
 
 
 @contextlib.contextmanager
-def router(name: str, urls: dict[str, str], slo: tuple[float, float], args: argparse.Namespace, log: Path) -> Iterator[str]:
-    """System ``name``'s router over the running servers ``urls``, up and routing to all of them: its URL; stopped on exit."""
+def router(name: str, urls: dict[str, str], slo: tuple[float, float], args: argparse.Namespace, log: Path, timeline: Path | None = None) -> Iterator[str]:
+    """System ``name``'s router over the running servers ``urls``, up and routing to all of them: its URL; stopped on exit.
+
+    ``timeline``: the router records its hand-off events there (``--timeline-dir``).
+    """
     layout = system(name, args.gpus)
     port = free_port()
-    proc = spawn(layout.router_argv(urls, slo, port, args.planner_profile) + list(args.router_arg), log=log)
+    traced = ["--timeline-dir", str(timeline)] if timeline is not None else []
+    proc = spawn(layout.router_argv(urls, slo, port, args.planner_profile) + traced + list(args.router_arg), log=log)
     url = f"http://127.0.0.1:{port}"
     try:
         if not wait_http_ok(url + "/health", lambda: proc.poll() is None, 60):
@@ -493,6 +514,15 @@ def vllm_bench(url: str, point: Point, prompts: int, seed: int, out: Path, args:
             "--save-detailed", "--result-dir", str(out.parent), "--result-filename", out.name, "--disable-tqdm"]  # fmt: skip
     bench_main(parser.parse_args(argv))
     return json.loads(out.read_text())
+
+
+def span_summary(spans: dict[str, list[float]]) -> dict[str, dict[str, float | int | None]]:
+    """p50 and mean (ms) and count of each of the router's spans (:data:`hybrid_pd.bench.timeline.ROUTER_SPANS`)."""
+    return {
+        name: {"p50": round(percentile(values, 50) * 1e3, 3) if values else None,
+               "mean": round(sum(values) / len(values) * 1e3, 3) if values else None, "n": len(values)}  # fmt: skip
+        for name, values in spans.items()
+    }
 
 
 def _decisions(url: str) -> dict[str, float]:
@@ -571,7 +601,8 @@ def run(args: argparse.Namespace) -> int:
             row: dict[str, Any] = {"system": name, "workload": point.workload, "level": point.level, "slo": slo_label(target), "prompts": prompts,
                                    "random_range_ratio": args.random_range_ratio}  # fmt: skip
             try:
-                with router(name, state["urls"], target, args, args.out / "logs" / f"router-{stem}.log") as url:
+                timeline = args.out / "timeline" / stem if args.router_timeline else None
+                with router(name, state["urls"], target, args, args.out / "logs" / f"router-{stem}.log", timeline) as url:
                     if settle := settle_prompts(name, point, args):  # other prompts of the same traffic, not measured but kept
                         row["settle"] = {"prompts": settle}
                         result = vllm_bench(url, point, settle, seed=10_000 + point.level, out=args.out / "runs" / f"{stem}.settle.json", args=args)
@@ -582,6 +613,8 @@ def run(args: argparse.Namespace) -> int:
                     result = vllm_bench(url, point, prompts, seed=point.level, out=args.out / "runs" / f"{stem}.json", args=args)
                     measured.finish(row, args.out / "runs" / f"{stem}.planner.txt")
                 row["summary"] = summarize(result, slos, args.gpus, target)
+                if timeline is not None:
+                    row["router_spans_ms"] = span_summary(router_spans(load_events(timeline)))
             except Exception as exc:  # noqa: BLE001 - one system's failure must not end a run of scarce GPU time
                 failed += 1
                 row["error"] = f"{type(exc).__name__}: {exc}"
@@ -665,6 +698,8 @@ def report(args: argparse.Namespace) -> int:
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
     if rows:
         print(table(rows, slos), flush=True)
+    if any("router_spans_ms" in r for r in rows):
+        print("\n" + span_table(rows), flush=True)
     if phase_runs:
         print("\n" + phase_table(phase_runs), flush=True)
     for what in [*rows, *phase_runs]:
@@ -834,6 +869,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--ready-timeout-s", type=float, default=540)
     ap.add_argument("--server-arg", action="append", default=[], help="one more flag for every server, e.g. --server-arg=--vllm-arg=--enable-prefix-caching")
     ap.add_argument("--router-arg", action="append", default=[], help="one more flag for every router, e.g. --router-arg=--decode-policy=prefix_reuse")
+    ap.add_argument("--router-timeline", action="store_true", help="each point's routers record their hand-off events (DIR/timeline/RUN) and its row "
+                    "keeps their spans: the legs, the prefill's answer to the decode's first byte, TTFT (p50 and mean ms)")  # fmt: skip
     args = ap.parse_args(argv)
     args.slo = args.slo or [(500.0, 20.0), (1500.0, 50.0)]
     if args.gpus < 1:

@@ -46,7 +46,9 @@ it is vLLM's pull connector, with the fixes and hooks below switched on per work
 10. **A local hit that leaves the state to pull.** With prefix caching on, a decode worker whose
    attention KV covers all N-1 tokens handed off, but not their state, pulls the last block and
    the state instead of prefilling the whole prompt itself (:mod:`hybrid_pd.connector.vllm.state_pull_hit`).
-11. **Negative control, tests only.** ``HYBRID_PD_TEST_ONLY_DISABLE_DECODE_ROW_FIX=1``
+11. **The early decode leg.** A prefill whose leg names a decode worker's URL and a hand-off key pushes
+   its ``kv_transfer_params`` there the moment it ends (:mod:`hybrid_pd.connector.vllm.handoff` says why).
+12. **Negative control, tests only.** ``HYBRID_PD_TEST_ONLY_DISABLE_DECODE_ROW_FIX=1``
    removes vLLM's decode-row reclassification in this engine, behind the start-up
    checks' back: what a vLLM without it does. On a GPU with FULL CUDA graphs such a
    decode worker answers wrongly (``hybrid_pd/bench/gpu/gsm8k_gate.py`` shows it).
@@ -67,10 +69,23 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPu
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.tp_mapping import _is_attention_spec
 from vllm.v1.kv_cache_interface import AttentionSpec
 
-from hybrid_pd.connector.contract import AWAIT_ENV, CAPABILITIES_ENV, DECODE_ROW, DELAY_ENV, FAILED_PULLS, LOCAL_PROMPT_TOKENS, MERGE_ENV, TEST_ONLY_DISABLE_ENV, TRACE_ENV
+from hybrid_pd.connector.contract import (
+    AWAIT_ENV,
+    CAPABILITIES_ENV,
+    DECODE_ROW,
+    DELAY_ENV,
+    FAILED_PULLS,
+    HANDOFF_KEY_PARAM,
+    HANDOFF_URL_PARAM,
+    LOCAL_PROMPT_TOKENS,
+    MERGE_ENV,
+    TEST_ONLY_DISABLE_ENV,
+    TRACE_ENV,
+)
 from hybrid_pd.connector.trace.timeline import from_env as timeline_writer
 from hybrid_pd.connector.vllm.capabilities import reports_failed_pulls, vllm_version
 from hybrid_pd.connector.vllm.decode_rows import apply_fix, remove_vllm_fix
+from hybrid_pd.connector.vllm.handoff import Outbox
 from hybrid_pd.connector.vllm.kv_lease import lease_expiry, pull_outlived_lease, stamp_lease
 from hybrid_pd.connector.vllm.nixl_merge import merge_adjacent_descriptors
 from hybrid_pd.connector.vllm.nixl_progress import throttle_progress_thread
@@ -140,6 +155,7 @@ class NixlConnector(NixlPullConnector):
     """vLLM's ``NixlConnector`` (pull), with the pure-Mamba handshake fix and the lease check."""
 
     _timeline: EngineTimeline | None = None  # set in __init__ when the worker records the hand-off timeline
+    _outbox: Outbox | None = None  # prefill scheduler: pushes to the decode workers of early legs
 
     def __init__(self, vllm_config, role, kv_cache_config) -> None:  # noqa: ANN001 - vLLM's signature
         super().__init__(vllm_config, role, kv_cache_config)
@@ -149,6 +165,8 @@ class NixlConnector(NixlPullConnector):
         self._fresh_pulls: list[int] = []  # decode worker: NIXL handles posted in this step (with PULL_AWAIT_S)
         if (writer := timeline_writer()) is not None:
             self._timeline = EngineTimeline(writer, prefill=vllm_config.kv_transfer_config.kv_role == "kv_producer")
+        if self.connector_scheduler is not None and vllm_config.kv_transfer_config.kv_role in ("kv_producer", "kv_both"):
+            self._outbox = Outbox()
         if self.connector_worker is not None and vllm_config.kv_transfer_config.kv_role in ("kv_consumer", "kv_both") and not REPORTS_FAILED_PULLS:
             log.warning(
                 "this vLLM cannot report a failed pull of hybrid state (no KVConnectorTransferResults.failed_recving; "
@@ -171,14 +189,24 @@ class NixlConnector(NixlPullConnector):
         if self._timeline is not None:
             self._timeline.finished(request)
         delay_free, params = super().request_finished(request, block_ids)
-        return delay_free, stamp_lease(params, self._lease_s, started_at) if delay_free else params
+        return self._finished(request, delay_free, params, started_at)
 
     def request_finished_all_groups(self, request, block_ids):  # noqa: ANN001, ANN201 - vLLM's signature
         started_at = time.time()
         if self._timeline is not None:
             self._timeline.finished(request)
         delay_free, params = super().request_finished_all_groups(request, block_ids)
-        return delay_free, stamp_lease(params, self._lease_s, started_at) if delay_free else params
+        return self._finished(request, delay_free, params, started_at)
+
+    def _finished(self, request, delay_free: bool, params, started_at: float):  # noqa: ANN001, ANN202 - vLLM's types
+        """What ``request_finished`` answers: a held state's parameters stamped with the lease, pushed to an early leg's decode worker."""
+        if not delay_free:
+            return delay_free, params
+        params = stamp_lease(params, self._lease_s, started_at)
+        asked = request.kv_transfer_params or {}
+        if self._outbox is not None and params and isinstance(asked.get(HANDOFF_URL_PARAM), str) and isinstance(asked.get(HANDOFF_KEY_PARAM), str):
+            self._outbox.push(asked[HANDOFF_URL_PARAM], asked[HANDOFF_KEY_PARAM], params)
+        return delay_free, params
 
     # Decode, scheduler side. The shortest prompts (LOCAL_PROMPT_TOKENS, hybrid_pd.connector.plan says why) are
     # computed here from scratch, as colocated does, instead of pulled; vLLM tells the prefill to free

@@ -1,0 +1,255 @@
+"""The early decode leg: the prefill's engine pushes the state's whereabouts straight to the decode worker.
+
+Why: a split request's first token waited for two request paths one after the other. The
+router sent the decode leg only once the prefill's whole HTTP answer was back: 25.7 ms from the
+decode leg's send to its first byte at 1,000 prompt tokens and 32.8 ms at 8,000 on an H100
+(Nemotron-H-8B, vLLM 0.26), for one transfer and one decode step. Now the router sends both legs
+at once (``hybrid_pd/router/route.py``): the decode leg's HTTP hop is done while the prefill
+computes, and the prefill's parameters (``kv_transfer_params``: where the blocks are) reach the
+decode worker from the prefill's engine the moment the prefill ends, not through the prefill's
+answer path, the router and a second request.
+
+Two parts, one per process they run in:
+
+- :class:`Outbox`, the prefill's engine (scheduler side of our connector): when a request whose
+  prefill leg names a hand-off (:data:`HANDOFF_URL_PARAM`, :data:`HANDOFF_KEY_PARAM`) ends, its
+  parameters are POSTed to the decode worker's vLLM server by a thread of their own, so the
+  engine's loop never waits on the network.
+- :class:`HandoffMiddleware`, every P/D worker's vLLM server (plain ASGI, vLLM's ``--middleware``):
+  ``GET`` :data:`HANDOFF_PATH` answers 200 (the router's probe: this worker takes part); a ``POST``
+  brings a push; an early leg (a generation request whose parameters name a key and no prefill
+  yet) is held here, before vLLM reads it, until its key's push has come, then goes on to vLLM with
+  the pushed parameters, as the usual decode leg would.
+
+Why the request waits in the server and not in the engine: a request waiting in vLLM's scheduler
+(its connector answering "ask again later") makes the engine step its model workers every
+millisecond for as long as the prefill runs; on the 2-core CPU machine that starved the prefill's
+own model worker, which vLLM 0.32 pins to the same core (issue #36), into a 60 s stall on the
+first request. Held here, the decode worker does nothing until the state exists.
+
+What can go wrong stays correct: a prefill that fails or refuses is the router's to handle (it
+closes the early leg, which never reached vLLM, and goes on as before); a push that never comes
+leaves the early leg waiting :data:`WAIT_LIMIT_S` at most, then it goes on without parameters and
+the decode worker computes the prompt itself. A server started with several API processes
+(``--api-server-count``) could take a push in one process for a leg held in another; our launch
+starts one, and installs this middleware only then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import logging
+import queue
+import threading
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+from urllib.parse import urlsplit
+
+from hybrid_pd.connector.contract import HANDOFF_KEY_PARAM, HANDOFF_PATH
+from hybrid_pd.connector.trace.timeline import REQUEST_ID_PARAM, TimelineWriter
+from hybrid_pd.connector.trace.timeline import from_env as timeline_from_env
+
+__all__ = ["HandoffMiddleware", "Outbox", "WAIT_LIMIT_S"]
+
+log = logging.getLogger("vllm.hybrid_pd.handoff")
+
+# The longest an early leg waits for its push before the decode worker computes the prompt itself.
+# Not a latency bound: a prefill queued behind others under load can take tens of seconds.
+WAIT_LIMIT_S = 120.0
+# Parameters that came for no request (its early leg was closed: the client left, the prefill's
+# answer failed) are dropped after this long.
+_UNCLAIMED_S = 300.0
+_POST_TIMEOUT_S = 5.0
+
+
+class Outbox:
+    """Prefill engine: hand-offs POSTed to decode workers' servers, in order, by one daemon thread."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[str, bytes]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._connections: dict[str, http.client.HTTPConnection] = {}
+
+    def push(self, url: str, key: str, params: dict[str, Any]) -> None:
+        """Send ``params`` for the early leg ``key`` to the decode worker at ``url``; returns at once."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="hybrid-pd-handoff", daemon=True)
+            self._thread.start()
+        self._queue.put((url, json.dumps({"key": key, "params": params}).encode()))
+
+    def _run(self) -> None:
+        while True:
+            url, body = self._queue.get()
+            try:
+                status = self._post(url, body)
+            except (OSError, http.client.HTTPException) as exc:
+                status = f"{type(exc).__name__}: {exc}"
+            if status != 204:
+                log.warning("hand-off to %s failed (%s): that decode worker computes the prompt itself after %.0f s", url, status, WAIT_LIMIT_S)
+
+    def _post(self, url: str, body: bytes) -> int:
+        """POST ``body`` over a kept-alive connection to ``url``'s server (a fresh one if the kept one was closed)."""
+        parts = urlsplit(url)
+        for attempt in range(2):
+            connection = self._connections.get(parts.netloc)
+            if connection is None:
+                kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+                connection = self._connections[parts.netloc] = kind(parts.netloc, timeout=_POST_TIMEOUT_S)
+            try:
+                connection.request("POST", parts.path.rstrip("/") + HANDOFF_PATH, body, {"Content-Type": "application/json"})
+                response = connection.getresponse()
+                response.read()
+                return response.status
+            except (OSError, http.client.HTTPException):
+                connection.close()
+                del self._connections[parts.netloc]
+                if attempt == 1:
+                    raise
+        raise AssertionError("unreachable")
+
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+_GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+_KEY_BYTES = HANDOFF_KEY_PARAM.encode()
+
+
+class HandoffMiddleware:
+    """A P/D worker's vLLM server: answers the router's probe, takes pushes, holds early legs until theirs comes."""
+
+    def __init__(self, app: ASGIApp, writer: TimelineWriter | None = None) -> None:
+        self.app = app
+        self.writer = writer if writer is not None else timeline_from_env()
+        self._arrived: dict[str, tuple[float, dict[str, Any]]] = {}  # pushes no leg has taken yet, by key
+        self._waiting: dict[str, asyncio.Event] = {}  # early legs held, by key
+        self._pruned_at = time.monotonic()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in ("GET", "POST"):
+            await self.app(scope, receive, send)
+        elif scope["path"] == HANDOFF_PATH:
+            await self._handoff(scope, receive, send)
+        elif scope["method"] == "POST" and scope["path"] in _GENERATION_PATHS:
+            await self._generation(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
+
+    async def _handoff(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["method"] == "GET":
+            await _answer(send, 200, b'{"handoff":1}')
+            return
+        found = _key_and_params(await _body(receive))
+        if found is None:
+            await _answer(send, 400, b'{"error":"a JSON object with a string key and an object params"}')
+            return
+        key, params = found
+        now = time.monotonic()
+        if now - self._pruned_at > _UNCLAIMED_S:  # pushes for legs that were closed before theirs came
+            self._arrived = {k: v for k, v in self._arrived.items() if now - v[0] <= _UNCLAIMED_S}
+            self._pruned_at = now
+        self._arrived[key] = (now, params)
+        if (event := self._waiting.get(key)) is not None:
+            event.set()
+        await _answer(send, 204, b"")
+
+    async def _generation(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A generation request: an early leg waits for its push here; any other goes on as it came."""
+        body = await _body(receive)
+        early = _early_leg(body) if _KEY_BYTES in body else None
+        if early is not None:
+            request, key = early
+            params = await self._pushed(key, receive)
+            if params is _GONE:
+                return  # the router closed the leg: nothing reached vLLM
+            held = request["kv_transfer_params"]
+            request["kv_transfer_params"] = {**held, **params} if params is not None else None
+            if params is None:
+                log.warning("early leg %s: no push came in %.0f s; the prompt is computed here", key, WAIT_LIMIT_S)
+            elif self.writer is not None and isinstance(held.get(REQUEST_ID_PARAM), str):
+                self.writer.event("handoff_in", rid=held[REQUEST_ID_PARAM])
+            body = json.dumps(request).encode()
+        await self.app(scope, _replay(body, receive), send)
+
+    async def _pushed(self, key: str, receive: Receive) -> dict[str, Any] | None | object:
+        """``key``'s pushed parameters; None when none came in :data:`WAIT_LIMIT_S`; :data:`_GONE` when the client left first."""
+        if key not in self._arrived:
+            event = self._waiting[key] = asyncio.Event()
+            pushed = asyncio.ensure_future(event.wait())
+            left = asyncio.ensure_future(_disconnected(receive))
+            try:
+                await asyncio.wait((pushed, left), timeout=WAIT_LIMIT_S, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                pushed.cancel()
+                left.cancel()
+                del self._waiting[key]
+            if not event.is_set():
+                return _GONE if left.done() and not left.cancelled() else None
+        return self._arrived.pop(key)[1]
+
+
+_GONE = object()
+
+
+async def _body(receive: Receive) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
+async def _disconnected(receive: Receive) -> None:
+    """Returns when the client closes the connection (the only message left after the body)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """The request's (possibly rewritten) body for the app, once; then the connection's own messages."""
+    sent = False
+
+    async def replayed() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed
+
+
+def _early_leg(body: bytes) -> tuple[dict[str, Any], str] | None:
+    """An early leg's request and key: parameters with a hand-off key and no prefill named yet; else None."""
+    try:
+        request = json.loads(body)
+    except ValueError:
+        return None
+    params = request.get("kv_transfer_params") if isinstance(request, dict) else None
+    if not isinstance(params, dict) or not isinstance(params.get(HANDOFF_KEY_PARAM), str) or "remote_engine_id" in params:
+        return None
+    return request, params[HANDOFF_KEY_PARAM]
+
+
+async def _answer(send: Send, status: int, body: bytes) -> None:
+    headers = [(b"content-type", b"application/json")] if body else []
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _key_and_params(body: bytes) -> tuple[str, dict[str, Any]] | None:
+    """A push's key and parameters, None for anything else."""
+    try:
+        message = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(message, dict) or not isinstance(message.get("key"), str) or not isinstance(message.get("params"), dict):
+        return None
+    return message["key"], message["params"]

@@ -1,0 +1,201 @@
+"""The early decode leg, worker side (issue #35): the decode server holds an early leg until the prefill's push.
+
+Plain ASGI and a plain HTTP server here; the same parts inside real vLLM servers exchanging real
+state are the e2e tests of the session stack (its router sends early legs by default).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.server
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from hybrid_pd.connector.contract import HANDOFF_KEY_PARAM, HANDOFF_PATH
+from hybrid_pd.connector.trace.timeline import REQUEST_ID_PARAM
+from hybrid_pd.connector.vllm import handoff
+from hybrid_pd.connector.vllm.handoff import HandoffMiddleware, Outbox
+
+PUSHED = {"do_remote_prefill": True, "remote_engine_id": "e1", "remote_block_ids": [[1]], "remote_host": "h", "remote_port": 1}
+
+
+class _App:
+    """vLLM's app as the middleware sees it: records each request's body, answers 200."""
+
+    def __init__(self) -> None:
+        self.bodies: list[bytes] = []
+
+    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001 - ASGI
+        message = await receive()
+        self.bodies.append(message["body"])
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+
+class _Events:
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, dict]] = []
+
+    def event(self, name: str, **fields: object) -> None:
+        self.seen.append((name, fields))
+
+
+async def _call(middleware: HandoffMiddleware, method: str, path: str, body: bytes = b"", leave: asyncio.Event | None = None) -> tuple[int, bytes]:
+    """One request through ``middleware``; ``leave``: when set, the client disconnects."""
+    sent: list[dict] = []
+    delivered = False
+
+    async def receive() -> dict:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await (leave.wait() if leave is not None else asyncio.Event().wait())
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    await middleware({"type": "http", "method": method, "path": path, "headers": []}, receive, send)
+    if not sent:
+        return 0, b""
+    return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:])
+
+
+def _early_leg(key: str, rid: str = "r1") -> bytes:
+    params = {"do_remote_prefill": True, HANDOFF_KEY_PARAM: key, REQUEST_ID_PARAM: rid}
+    return json.dumps({"model": "m", "prompt": "hi", "stream": True, "kv_transfer_params": params}).encode()
+
+
+def _push(key: str, params: dict | None = None) -> bytes:
+    return json.dumps({"key": key, "params": params or PUSHED}).encode()
+
+
+async def test_the_probe_says_the_worker_takes_part():
+    assert await _call(HandoffMiddleware(_App()), "GET", HANDOFF_PATH) == (200, b'{"handoff":1}')
+
+
+async def test_a_push_that_came_first_goes_with_its_leg_into_vllm_once():
+    app, events = _App(), _Events()
+    middleware = HandoffMiddleware(app, writer=events)
+    assert await _call(middleware, "POST", HANDOFF_PATH, _push("k1")) == (204, b"")
+    assert await _call(middleware, "POST", "/v1/completions", _early_leg("k1")) == (200, b"ok")
+    sent = json.loads(app.bodies[0])
+    assert sent["kv_transfer_params"] == {**PUSHED, HANDOFF_KEY_PARAM: "k1", REQUEST_ID_PARAM: "r1"}
+    assert sent["prompt"] == "hi" and sent["stream"] is True
+    assert events.seen == [("handoff_in", {"rid": "r1"})]
+    # Taken once: a second leg with the same key waits (here: until its client leaves).
+    leave = asyncio.Event()
+    second = asyncio.ensure_future(_call(middleware, "POST", "/v1/completions", _early_leg("k1"), leave))
+    await asyncio.sleep(0.05)
+    leave.set()
+    assert await second == (0, b"") and len(app.bodies) == 1
+
+
+async def test_a_leg_that_came_first_waits_for_its_push_and_for_nothing_else():
+    app = _App()
+    middleware = HandoffMiddleware(app)
+    leg = asyncio.ensure_future(_call(middleware, "POST", "/v1/chat/completions", _early_leg("k2")))
+    await asyncio.sleep(0.05)
+    assert not leg.done() and app.bodies == []
+    await _call(middleware, "POST", HANDOFF_PATH, _push("other"))
+    await asyncio.sleep(0.05)
+    assert not leg.done(), "another key's push does not release it"
+    await _call(middleware, "POST", HANDOFF_PATH, _push("k2"))
+    assert await asyncio.wait_for(leg, 5) == (200, b"ok")
+    assert json.loads(app.bodies[0])["kv_transfer_params"]["remote_engine_id"] == "e1"
+
+
+async def test_a_leg_whose_client_leaves_while_it_waits_never_reaches_vllm():
+    app = _App()
+    middleware = HandoffMiddleware(app)
+    leave = asyncio.Event()
+    leg = asyncio.ensure_future(_call(middleware, "POST", "/v1/completions", _early_leg("k3"), leave))
+    await asyncio.sleep(0.05)
+    leave.set()
+    assert await asyncio.wait_for(leg, 5) == (0, b"")
+    assert app.bodies == [] and middleware._waiting == {}
+
+
+async def test_a_leg_whose_push_never_comes_goes_on_without_parameters(monkeypatch, caplog):
+    monkeypatch.setattr(handoff, "WAIT_LIMIT_S", 0.05)
+    app = _App()
+    with caplog.at_level(logging.WARNING, logger="vllm.hybrid_pd.handoff"):
+        assert await _call(HandoffMiddleware(app), "POST", "/v1/completions", _early_leg("k4")) == (200, b"ok")
+    assert json.loads(app.bodies[0])["kv_transfer_params"] is None, "the decode worker computes the prompt itself"
+    assert "no push came" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", json.dumps({"prompt": "hi", "kv_transfer_params": {**PUSHED, HANDOFF_KEY_PARAM: "k"}}).encode()),
+        ("/v1/completions", json.dumps({"prompt": f"a prompt that mentions {HANDOFF_KEY_PARAM}"}).encode()),
+        ("/v1/completions", b"{not json " + HANDOFF_KEY_PARAM.encode()),
+        ("/v1/embeddings", _early_leg("k5")),
+    ],
+    ids=["a-usual-decode-leg", "the-key-in-the-prompt", "malformed", "not-a-generation-path"],
+)
+async def test_anything_else_goes_to_vllm_as_it_came(path, body):
+    app = _App()
+    assert await asyncio.wait_for(_call(HandoffMiddleware(app), "POST", path, body), 5) == (200, b"ok")
+    assert app.bodies == [body]
+
+
+@pytest.mark.parametrize("body", [b"{not json", b"[]", json.dumps({"key": 1, "params": {}}).encode(), json.dumps({"key": "k"}).encode()])
+async def test_a_malformed_push_is_a_400(body):
+    status, answer = await _call(HandoffMiddleware(_App()), "POST", HANDOFF_PATH, body)
+    assert status == 400 and b"error" in answer
+
+
+@pytest.fixture
+def server() -> Iterator[tuple[str, list[tuple[str, dict]]]]:
+    """A plain HTTP server that records what is POSTed to it and answers 204, as a decode worker's server does."""
+    received: list[tuple[str, dict]] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            received.append((self.path, json.loads(self.rfile.read(int(self.headers["Content-Length"])))))
+            self.send_response(204)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}", received
+    httpd.shutdown()
+
+
+def _wait_for(condition: Callable[[], bool], seconds: float = 5.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_the_outbox_posts_each_push_to_the_decode_workers_server_in_order(server):
+    url, received = server
+    outbox = Outbox()
+    for key in ("a", "b", "c"):
+        outbox.push(url, key, PUSHED)
+    _wait_for(lambda: len(received) == 3)
+    assert received == [(HANDOFF_PATH, {"key": k, "params": PUSHED}) for k in ("a", "b", "c")]
+
+
+def test_a_push_that_cannot_be_delivered_is_logged(caplog, unused_tcp_port):
+    outbox = Outbox()
+    with caplog.at_level(logging.WARNING, logger="vllm.hybrid_pd.handoff"):
+        outbox.push(f"http://127.0.0.1:{unused_tcp_port}", "k", PUSHED)
+        _wait_for(lambda: "hand-off to" in caplog.text)
+    assert "ConnectionRefusedError" in caplog.text

@@ -1,0 +1,183 @@
+"""The early decode leg, router side (issue #35): both legs at once where both workers take part, scripted workers.
+
+The decode worker's side (holding the leg until the prefill's push) is tests/test_handoff.py; real
+engines exchanging real state with early legs are every e2e test of the session stack
+(tests/e2e: the router's default is on).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+
+from hybrid_pd.connector.contract import HANDOFF_KEY_PARAM, HANDOFF_URL_PARAM
+from hybrid_pd.connector.trace.timeline import REQUEST_ID_PARAM
+from hybrid_pd.router.app import RouterApp
+from tests.router_support import DECODE, Workers, asgi_client, router_app
+
+
+async def _started(app: RouterApp) -> None:
+    """Wait for the health loop to have probed every static worker (it does so at start)."""
+    for _ in range(200):
+        if all(w.identity.handoff is not None for w in app.state.router.registry.all()):
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the router never probed its workers")
+
+
+@pytest.fixture
+def early_workers() -> Workers:
+    workers = Workers()
+    workers.handoff = True
+    return workers
+
+
+@pytest.fixture
+async def early(early_workers: Workers) -> AsyncIterator[tuple[httpx.AsyncClient, RouterApp]]:
+    app = router_app(early_workers)
+    async with app.router.lifespan_context(app):
+        await _started(app)
+        async with asgi_client(app) as c:
+            yield c, app
+
+
+def _inflight(app: RouterApp) -> list[int]:
+    return [w.inflight for w in app.state.router.registry.all()]
+
+
+async def test_the_decode_leg_is_in_flight_while_the_prefill_runs_and_both_legs_carry_one_key(early_workers):
+    decode_sent = asyncio.Event()
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.method == "POST" and request.url.host == "decode.test":
+            decode_sent.set()
+        if request.method == "POST" and request.url.host == "prefill.test":
+            await asyncio.wait_for(decode_sent.wait(), 5)  # the prefill answers only once the decode leg is out
+        return early_workers(request)
+
+    app = router_app(handler)
+    async with app.router.lifespan_context(app):
+        await _started(app)
+        async with asgi_client(app) as client:
+            r = await client.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 8}, headers={"X-Request-Id": "r1"})
+            metrics = (await client.get("/metrics")).text
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == " decoded"
+    legs = {worker: body for worker, body, _ in early_workers.calls}
+    assert len(early_workers.calls) == 2
+    key = legs["decode"]["kv_transfer_params"][HANDOFF_KEY_PARAM]
+    assert legs["decode"] == {"model": "m", "prompt": "hi", "max_tokens": 8,
+                              "kv_transfer_params": {"do_remote_prefill": True, HANDOFF_KEY_PARAM: key, REQUEST_ID_PARAM: "r1"}}  # fmt: skip
+    prefill_params = legs["prefill"]["kv_transfer_params"]
+    assert prefill_params[HANDOFF_KEY_PARAM] == key and prefill_params[HANDOFF_URL_PARAM] == DECODE
+    assert legs["prefill"]["max_tokens"] == 1 and prefill_params["do_remote_decode"] is True
+    # The prefill's usage still reaches the client: its cached tokens are the prefill's.
+    assert r.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 2}
+    assert _inflight(app) == [0, 0]
+    assert 'hybrid_pd_disaggregated_total{reason="disaggregated"} 1.0' in metrics
+
+
+async def test_every_pair_gets_its_own_key(early, early_workers):
+    client, _ = early
+    for _ in range(2):
+        await client.post("/v1/completions", json={"model": "m", "prompt": "hi"})
+    keys = {body["kv_transfer_params"][HANDOFF_KEY_PARAM] for _, body, _ in early_workers.calls}
+    assert len(keys) == 2
+
+
+@pytest.mark.parametrize("failure", [httpx.ConnectError("connection refused"), httpx.Response(500, json={})])
+async def test_a_failed_prefill_closes_the_early_leg_and_the_decode_worker_prefills_locally(early, early_workers, failure):
+    client, app = early
+    early_workers.prefill_response = failure
+    body = {"model": "m", "prompt": "hi", "max_tokens": 8}
+    r = await client.post("/v1/completions", json=body)
+    assert r.status_code == 200
+    # The early leg may be cancelled before it is sent; the last leg is the client's request, without parameters.
+    assert early_workers.calls[-1][:2] == ("decode", body)
+    assert [w for w, _, _ in early_workers.calls].count("prefill") == 1
+    assert _inflight(app) == [0, 0]
+    assert 'hybrid_pd_fallbacks_total{reason="prefill_failed"} 1.0' in (await client.get("/metrics")).text
+
+
+async def test_a_refused_prefill_closes_the_early_leg_and_the_refusal_is_the_answer(early, early_workers):
+    client, app = early
+    error = {"error": {"message": "bad", "type": "BadRequestError", "param": None, "code": 400}}
+    early_workers.prefill_response = httpx.Response(400, json=error)
+    r = await client.post("/v1/completions", json={"model": "m", "prompt": "hi"})
+    assert r.status_code == 400 and r.json() == error
+    assert [w for w, _, _ in early_workers.calls].count("prefill") == 1 and len(early_workers.calls) <= 2  # the early leg at most
+    assert _inflight(app) == [0, 0]
+
+
+async def test_an_early_leg_still_open_when_the_prefill_fails_is_closed(early_workers):
+    """The decode worker holds the early leg (its answer not even begun) while the prefill fails: the router stops waiting for it."""
+    released, held, closed = asyncio.Event(), asyncio.Event(), []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.method == "POST" and request.url.host == "decode.test" and HANDOFF_KEY_PARAM.encode() in request.content:
+            held.set()
+            try:
+                await released.wait()  # never set: only the router's cancel ends it
+            except asyncio.CancelledError:
+                closed.append(True)
+                raise
+        if request.method == "POST" and request.url.host == "prefill.test":
+            await asyncio.wait_for(held.wait(), 5)
+            raise httpx.ConnectError("refused")
+        return early_workers(request)
+    app = router_app(handler)
+    async with app.router.lifespan_context(app):
+        await _started(app)
+        async with asgi_client(app) as c:
+            r = await asyncio.wait_for(c.post("/v1/completions", json={"model": "m", "prompt": "hi"}), 10)
+            assert r.status_code == 200 and closed == [True]
+            assert _inflight(app) == [0, 0]
+
+
+async def test_a_client_that_leaves_during_the_prefill_closes_both_legs(early_workers):
+    prefill_started, hold = asyncio.Event(), asyncio.Event()
+    cancelled = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.method == "POST":
+            try:
+                if request.url.host == "prefill.test":
+                    prefill_started.set()
+                await hold.wait()
+            except asyncio.CancelledError:
+                cancelled.append(request.url.host)
+                raise
+        return early_workers(request)
+
+    app = router_app(handler)
+    async with app.router.lifespan_context(app):
+        await _started(app)
+        async with asgi_client(app) as c:
+            sent = asyncio.ensure_future(c.post("/v1/completions", json={"model": "m", "prompt": "hi"}))
+            await asyncio.wait_for(prefill_started.wait(), 10)
+            sent.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await sent
+            for _ in range(100):
+                if len(cancelled) == 2:
+                    break
+                await asyncio.sleep(0.01)
+            assert sorted(cancelled) == ["decode.test", "prefill.test"]
+            assert _inflight(app) == [0, 0]
+
+
+async def test_workers_that_do_not_take_part_get_the_legs_one_after_the_other(client, workers):
+    await client.post("/v1/completions", json={"model": "m", "prompt": "hi"})
+    assert [w for w, _, _ in workers.calls] == ["prefill", "decode"]
+    assert HANDOFF_KEY_PARAM not in workers.calls[0][1]["kv_transfer_params"]
+
+
+async def test_the_router_can_be_told_not_to_send_early_legs(early_workers):
+    app = router_app(early_workers, early_decode=False)
+    async with app.router.lifespan_context(app):
+        await _started(app)
+        async with asgi_client(app) as c:
+            await c.post("/v1/completions", json={"model": "m", "prompt": "hi"})
+    assert [w for w, _, _ in early_workers.calls] == ["prefill", "decode"]
