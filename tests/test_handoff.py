@@ -72,8 +72,8 @@ def _early_leg(key: str, rid: str = "r1") -> bytes:
     return json.dumps({"model": "m", "prompt": "hi", "stream": True, "kv_transfer_params": params}).encode()
 
 
-def _push(key: str, params: dict | None = None) -> bytes:
-    return json.dumps({"key": key, "params": params or PUSHED}).encode()
+def _push(*keys: str) -> bytes:
+    return json.dumps([{"key": key, "params": PUSHED} for key in keys]).encode()
 
 
 async def test_the_probe_says_the_worker_takes_part():
@@ -147,22 +147,42 @@ async def test_anything_else_goes_to_vllm_as_it_came(path, body):
     assert app.bodies == [body]
 
 
-@pytest.mark.parametrize("body", [b"{not json", b"[]", json.dumps({"key": 1, "params": {}}).encode(), json.dumps({"key": "k"}).encode()])
+async def test_one_post_brings_several_pushes():
+    app = _App()
+    middleware = HandoffMiddleware(app)
+    assert await _call(middleware, "POST", HANDOFF_PATH, _push("x", "y")) == (204, b"")
+    for key in ("y", "x"):
+        assert await asyncio.wait_for(_call(middleware, "POST", "/v1/completions", _early_leg(key)), 5) == (200, b"ok")
+    assert [json.loads(b)["kv_transfer_params"][HANDOFF_KEY_PARAM] for b in app.bodies] == ["y", "x"]
+
+
+@pytest.mark.parametrize(
+    "body", [b"{not json", json.dumps({"key": "k", "params": {}}).encode(), json.dumps([{"key": 1, "params": {}}]).encode(), json.dumps([{"key": "k"}]).encode()]
+)
 async def test_a_malformed_push_is_a_400(body):
     status, answer = await _call(HandoffMiddleware(_App()), "POST", HANDOFF_PATH, body)
     assert status == 400 and b"error" in answer
 
 
+class _Server:
+    """A plain HTTP server that records what is POSTed to it and answers 204 once ``answering`` is set, as a decode worker's server does."""
+
+    def __init__(self) -> None:
+        self.received: list[tuple[str, list]] = []
+        self.answering = threading.Event()
+        self.answering.set()
+
+
 @pytest.fixture
-def server() -> Iterator[tuple[str, list[tuple[str, dict]]]]:
-    """A plain HTTP server that records what is POSTed to it and answers 204, as a decode worker's server does."""
-    received: list[tuple[str, dict]] = []
+def server() -> Iterator[tuple[str, _Server]]:
+    state = _Server()
 
     class Handler(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
         def do_POST(self) -> None:  # noqa: N802 - http.server's name
-            received.append((self.path, json.loads(self.rfile.read(int(self.headers["Content-Length"])))))
+            state.received.append((self.path, json.loads(self.rfile.read(int(self.headers["Content-Length"])))))
+            state.answering.wait(10)
             self.send_response(204)
             self.send_header("Content-Length", "0")
             self.end_headers()
@@ -173,7 +193,8 @@ def server() -> Iterator[tuple[str, list[tuple[str, dict]]]]:
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}", received
+    yield f"http://127.0.0.1:{httpd.server_address[1]}", state
+    state.answering.set()
     httpd.shutdown()
 
 
@@ -184,18 +205,34 @@ def _wait_for(condition: Callable[[], bool], seconds: float = 5.0) -> None:
         time.sleep(0.01)
 
 
-def test_the_outbox_posts_each_push_to_the_decode_workers_server_in_order(server):
-    url, received = server
+def test_the_outbox_posts_every_push_to_the_decode_workers_server_in_order(server):
+    url, state = server
+    received = state.received
     outbox = Outbox()
     for key in ("a", "b", "c"):
         outbox.push(url, key, PUSHED)
-    _wait_for(lambda: len(received) == 3)
-    assert received == [(HANDOFF_PATH, {"key": k, "params": PUSHED}) for k in ("a", "b", "c")]
+    _wait_for(lambda: sum(len(batch) for _, batch in received) == 3)
+    assert all(path == HANDOFF_PATH for path, _ in received)
+    assert [push for _, batch in received for push in batch] == [{"key": k, "params": PUSHED} for k in ("a", "b", "c")]
+
+
+def test_pushes_that_queue_while_a_post_is_out_go_in_the_next_post_together(server):
+    url, state = server
+    received = state.received
+    outbox = Outbox()
+    state.answering.clear()  # the decode server is slow to answer the first POST
+    outbox.push(url, "first", PUSHED)
+    _wait_for(lambda: len(received) == 1)
+    for key in ("b", "c", "d"):  # meanwhile a prefill step ends three more prompts
+        outbox.push(url, key, PUSHED)
+    state.answering.set()
+    _wait_for(lambda: sum(len(batch) for _, batch in received) == 4)
+    assert [[p["key"] for p in batch] for _, batch in received] == [["first"], ["b", "c", "d"]]
 
 
 def test_a_push_that_cannot_be_delivered_is_logged(caplog, unused_tcp_port):
     outbox = Outbox()
     with caplog.at_level(logging.WARNING, logger="vllm.hybrid_pd.handoff"):
         outbox.push(f"http://127.0.0.1:{unused_tcp_port}", "k", PUSHED)
-        _wait_for(lambda: "hand-off to" in caplog.text)
+        _wait_for(lambda: "hand-off of 1 to" in caplog.text)
     assert "ConnectionRefusedError" in caplog.text

@@ -13,11 +13,11 @@ Two parts, one per process they run in:
 
 - :class:`Outbox`, the prefill's engine (scheduler side of our connector): when a request whose
   prefill leg names a hand-off (:data:`HANDOFF_URL_PARAM`, :data:`HANDOFF_KEY_PARAM`) ends, its
-  parameters are POSTed to the decode worker's vLLM server by a thread of their own, so the
+  parameters are POSTed to the decode worker's vLLM server by a thread per decode worker, so the
   engine's loop never waits on the network.
 - :class:`HandoffMiddleware`, every P/D worker's vLLM server (plain ASGI, vLLM's ``--middleware``):
   ``GET`` :data:`HANDOFF_PATH` answers 200 (the router's probe: this worker takes part); a ``POST``
-  brings a push; an early leg (a generation request whose parameters name a key and no prefill
+  brings pushes (a JSON list of ``{"key", "params"}``); an early leg (a generation request whose parameters name a key and no prefill
   yet) is held here, before vLLM reads it, until its key's push has come, then goes on to vLLM with
   the pushed parameters, as the usual decode leg would.
 
@@ -38,6 +38,7 @@ starts one, and installs this middleware only then.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.client
 import json
 import logging
@@ -66,49 +67,50 @@ _POST_TIMEOUT_S = 5.0
 
 
 class Outbox:
-    """Prefill engine: hand-offs POSTed to decode workers' servers, in order, by one daemon thread."""
+    """Prefill engine: hand-offs POSTed to decode workers' servers, by a daemon thread per decode worker.
+
+    A thread sends whatever has queued for its worker in one POST (a JSON list): a prefill step
+    ends several prompts at once, and a wave of them must not wait one round trip each on a decode
+    server that is busy streaming; a slow decode worker delays only its own.
+    """
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[str, bytes]] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._connections: dict[str, http.client.HTTPConnection] = {}
+        self._queues: dict[str, queue.SimpleQueue[dict[str, Any]]] = {}
 
     def push(self, url: str, key: str, params: dict[str, Any]) -> None:
         """Send ``params`` for the early leg ``key`` to the decode worker at ``url``; returns at once."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="hybrid-pd-handoff", daemon=True)
-            self._thread.start()
-        self._queue.put((url, json.dumps({"key": key, "params": params}).encode()))
+        pending = self._queues.get(url)
+        if pending is None:
+            pending = self._queues[url] = queue.SimpleQueue()
+            threading.Thread(target=_send_forever, args=(url, pending), name="hybrid-pd-handoff", daemon=True).start()
+        pending.put({"key": key, "params": params})
 
-    def _run(self) -> None:
-        while True:
-            url, body = self._queue.get()
-            try:
-                status = self._post(url, body)
-            except (OSError, http.client.HTTPException) as exc:
-                status = f"{type(exc).__name__}: {exc}"
-            if status != 204:
-                log.warning("hand-off to %s failed (%s): that decode worker computes the prompt itself after %.0f s", url, status, WAIT_LIMIT_S)
 
-    def _post(self, url: str, body: bytes) -> int:
-        """POST ``body`` over a kept-alive connection to ``url``'s server (a fresh one if the kept one was closed)."""
-        parts = urlsplit(url)
-        for attempt in range(2):
-            connection = self._connections.get(parts.netloc)
-            if connection is None:
-                kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-                connection = self._connections[parts.netloc] = kind(parts.netloc, timeout=_POST_TIMEOUT_S)
+def _send_forever(url: str, pending: queue.SimpleQueue[dict[str, Any]]) -> None:
+    """POST each batch of ``pending`` pushes to ``url``'s server, over one kept-alive connection (a fresh one if it was closed)."""
+    parts = urlsplit(url)
+    kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    connection = None
+    while True:
+        batch = [pending.get()]
+        with contextlib.suppress(queue.Empty):
+            while True:
+                batch.append(pending.get_nowait())
+        body, status = json.dumps(batch).encode(), None
+        for _ in range(2):
+            connection = connection or kind(parts.netloc, timeout=_POST_TIMEOUT_S)
             try:
                 connection.request("POST", parts.path.rstrip("/") + HANDOFF_PATH, body, {"Content-Type": "application/json"})
                 response = connection.getresponse()
                 response.read()
-                return response.status
-            except (OSError, http.client.HTTPException):
+                status = response.status
+                break
+            except (OSError, http.client.HTTPException) as exc:
                 connection.close()
-                del self._connections[parts.netloc]
-                if attempt == 1:
-                    raise
-        raise AssertionError("unreachable")
+                connection, status = None, f"{type(exc).__name__}: {exc}"
+        if status != 204:
+            log.warning("hand-off of %d to %s failed (%s): that decode worker computes those prompts itself after %.0f s",
+                        len(batch), url, status, WAIT_LIMIT_S)
 
 
 Scope = MutableMapping[str, Any]
@@ -145,18 +147,18 @@ class HandoffMiddleware:
         if scope["method"] == "GET":
             await _answer(send, 200, b'{"handoff":1}')
             return
-        found = _key_and_params(await _body(receive))
-        if found is None:
-            await _answer(send, 400, b'{"error":"a JSON object with a string key and an object params"}')
+        pushes = _pushes(await _body(receive))
+        if pushes is None:
+            await _answer(send, 400, b'{"error":"a JSON list of objects, each with a string key and an object params"}')
             return
-        key, params = found
         now = time.monotonic()
         if now - self._pruned_at > _UNCLAIMED_S:  # pushes for legs that were closed before theirs came
             self._arrived = {k: v for k, v in self._arrived.items() if now - v[0] <= _UNCLAIMED_S}
             self._pruned_at = now
-        self._arrived[key] = (now, params)
-        if (event := self._waiting.get(key)) is not None:
-            event.set()
+        for key, params in pushes:
+            self._arrived[key] = (now, params)
+            if (event := self._waiting.get(key)) is not None:
+                event.set()
         await _answer(send, 204, b"")
 
     async def _generation(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -244,12 +246,12 @@ async def _answer(send: Send, status: int, body: bytes) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-def _key_and_params(body: bytes) -> tuple[str, dict[str, Any]] | None:
-    """A push's key and parameters, None for anything else."""
+def _pushes(body: bytes) -> list[tuple[str, dict[str, Any]]] | None:
+    """A POST's pushes, (key, parameters) each; None for anything else."""
     try:
-        message = json.loads(body)
+        batch = json.loads(body)
     except ValueError:
         return None
-    if not isinstance(message, dict) or not isinstance(message.get("key"), str) or not isinstance(message.get("params"), dict):
+    if not isinstance(batch, list) or not all(isinstance(p, dict) and isinstance(p.get("key"), str) and isinstance(p.get("params"), dict) for p in batch):
         return None
-    return message["key"], message["params"]
+    return [(p["key"], p["params"]) for p in batch]

@@ -7,7 +7,7 @@
 #   1P1D-sequential   the same workers, --no-early-decode: the legs one after the other, as before
 # Points (vLLM's own client, --ignore-eos; every router records its own hand-off events, --router-timeline):
 #   1000/32 @ 1 and 8000/32 @ 1, 24 prompts each: TTFT and the router's spans (prefill leg, decode leg, the prefill's
-#   answer to the decode's first byte) at one request in flight; 1000/512 @ 64, 192 prompts: TPOT and throughput.
+#   answer to the decode's first byte) at one request in flight; 1000/512 @ 64, 256 prompts: TPOT and throughput.
 # Run from the checkout's root on the GPU machine, the kit's third call and the calls right after it:
 #   call 3: bash .gpu/c3/unpack.sh --all .gpu/c3/c3.tar.xz || exit; source .gpu/c3/env.sh; bash hybrid_pd/bench/results/2026-11-27-h100x2-handoff/run.sh start
 #   call 4: bash /tmp/site/.gpu-payload/unpack.sh --all || exit; source /tmp/site/.gpu-payload/env.sh; bash hybrid_pd/bench/results/2026-11-27-h100x2-handoff/run.sh wait 500; bash hybrid_pd/bench/results/2026-11-27-h100x2-handoff/run.sh pack
@@ -19,7 +19,7 @@ MODEL=/tmp/full/nemotron_h
 export PYTHONPATH=$PWD:${PYTHONPATH:-/tmp/site} PYTHONUNBUFFERED=1
 COMMON=(--out $DIR --model $MODEL --device cuda --gpus 2 --max-model-len 9216 --kv-cache-gib 14 --gpu-memory-utilization 0.47
         --max-num-seqs 128 --systems replicas,1P1D,1P1D-sequential --slo 500/20 --slo 1500/50)
-POINTS=1000/32@1x24:500/20,8000/32@1x24:1500/50,1000/512@64x192:500/20
+POINTS=1000/32@1x24:500/20,8000/32@1x24:1500/50,1000/512@64x256:500/20
 RUNNER=(python3 -m hybrid_pd.bench.gpu.goodput)
 T0=$(date +%s)
 log() { echo "[$(($(date +%s) - T0))s] $*"; }
