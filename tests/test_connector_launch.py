@@ -5,7 +5,17 @@ import json
 
 import pytest
 
-from hybrid_pd.connector.contract import AWAIT_ENV, CPU_PREFIX_CACHING, DELAY_ENV, ENGINE_FIXES_ENV, MERGE_ENV, TIMELINE_DIR_ENV, TIMELINE_SOURCE_ENV, TRACE_ENV
+from hybrid_pd.connector.contract import (
+    AWAIT_ENV,
+    CPU_PREFIX_CACHING,
+    DELAY_ENV,
+    ENGINE_FIXES_ENV,
+    MERGE_ENV,
+    SHM_SPIN,
+    TIMELINE_DIR_ENV,
+    TIMELINE_SOURCE_ENV,
+    TRACE_ENV,
+)
 from hybrid_pd.connector.launch import WorkerSpec, build_launch
 
 
@@ -268,9 +278,17 @@ def test_cpu_servers_of_a_mamba2_model_get_our_prefix_caching_fix_and_the_cache_
     mamba2 = str(ensure_default_model())
     for role in ("prefill", "decode", "flex", "colocated"):
         launch = build_launch(_spec(role, model=mamba2, side_channel_port=0 if role == "colocated" else 5600))
-        assert launch.env[ENGINE_FIXES_ENV] == CPU_PREFIX_CACHING and "--enable-prefix-caching" in launch.argv
+        assert launch.env[ENGINE_FIXES_ENV] == f"{SHM_SPIN},{CPU_PREFIX_CACHING}" and "--enable-prefix-caching" in launch.argv
     told = build_launch(_spec("decode", model=mamba2, vllm_args=("--no-enable-prefix-caching",))).argv
     assert told.index("--no-enable-prefix-caching") > told.index("--enable-prefix-caching")  # the last one wins in vLLM's parser
     (tmp_path / "config.json").write_text(FAMILIES["qwen3_next"].config().to_json_string())
-    assert ENGINE_FIXES_ENV not in build_launch(_spec("decode", model=str(tmp_path))).env  # GDN: not what the fix is for
+    assert build_launch(_spec("decode", model=str(tmp_path))).env[ENGINE_FIXES_ENV] == SHM_SPIN  # GDN: not what the fix is for
     assert ENGINE_FIXES_ENV not in build_launch(_spec("decode", model=mamba2, device="cuda")).env
+
+
+def test_every_cpu_server_spins_sleeping_and_no_gpu_server_does():
+    """On a shared CPU vLLM's yielding spin starved the other servers (issue #36); a GPU server's processes have cores of their own."""
+    for role in ("prefill", "decode", "flex", "colocated"):
+        port = 0 if role == "colocated" else 5600
+        assert SHM_SPIN in build_launch(_spec(role, side_channel_port=port)).env[ENGINE_FIXES_ENV].split(",")
+        assert ENGINE_FIXES_ENV not in build_launch(_spec(role, device="cuda", side_channel_port=port)).env

@@ -21,6 +21,7 @@ __all__ = [
     "HANDOFF_URL_PARAM",
     "LOCAL_PROMPT_TOKENS",
     "MERGE_ENV",
+    "SHM_SPIN",
     "TEST_ONLY_DISABLE_ENV",
     "TIMELINE_DIR_ENV",
     "TIMELINE_SOURCE_ENV",
@@ -53,9 +54,11 @@ AWAIT_ENV = "HYBRID_PD_PULL_AWAIT_US"  # pull_await: microseconds a step waits f
 TEST_ONLY_DISABLE_ENV = "HYBRID_PD_TEST_ONLY_DISABLE_DECODE_ROW_FIX"  # decode_rows: the negative control
 
 # Fixes of vLLM's engine our vLLM plugin applies in every process of a server that names them, comma-separated
-# (hybrid_pd.connector.vllm.plugin): "cpu_prefix_caching" (hybrid_pd.connector.vllm.cpu_prefix_caching).
+# (hybrid_pd.connector.vllm.plugin): "cpu_prefix_caching" (hybrid_pd.connector.vllm.cpu_prefix_caching),
+# "shm_spin" (hybrid_pd.connector.vllm.shm_spin).
 ENGINE_FIXES_ENV = "HYBRID_PD_ENGINE_FIXES"
 CPU_PREFIX_CACHING = "cpu_prefix_caching"
+SHM_SPIN = "shm_spin"
 
 # The hand-off timeline (hybrid_pd.connector.trace): its folder, and which role writes.
 TIMELINE_DIR_ENV = "HYBRID_PD_TIMELINE_DIR"

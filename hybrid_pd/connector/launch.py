@@ -22,6 +22,7 @@ from hybrid_pd.connector.contract import (
     DELAY_ENV,
     ENGINE_FIXES_ENV,
     MERGE_ENV,
+    SHM_SPIN,
     TIMELINE_DIR_ENV,
     TIMELINE_SOURCE_ENV,
     TRACE_ENV,
@@ -306,11 +307,15 @@ def prefix_caching_default(spec: WorkerSpec, shape: ModelShape | None) -> tuple[
 def engine_fix_env(spec: WorkerSpec, shape: ModelShape | None) -> dict[str, str]:
     """The engine fixes our vLLM plugin applies in this server (:mod:`hybrid_pd.connector.vllm.plugin`).
 
+    CPU, every role: vLLM's message queues spin sleeping, not yielding (:mod:`hybrid_pd.connector.vllm.shm_spin`:
+    on a shared CPU their spin starved the other servers).
     CPU, Mamba2: prefix caching's state checkpoints (:mod:`hybrid_pd.connector.vllm.cpu_prefix_caching`);
     they change nothing while prefix caching is off (only a scan asked for chunk states takes the new path).
     """
+    if spec.device != "cpu":
+        return {}
     mamba2 = shape is not None and shape.state_kind == "mamba2"
-    return {ENGINE_FIXES_ENV: CPU_PREFIX_CACHING} if spec.device == "cpu" and mamba2 else {}
+    return {ENGINE_FIXES_ENV: ",".join([SHM_SPIN, *([CPU_PREFIX_CACHING] if mamba2 else [])])}
 
 
 def memory_args(spec: WorkerSpec) -> list[str]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 
-from hybrid_pd.connector.contract import CPU_PREFIX_CACHING, ENGINE_FIXES_ENV
+from hybrid_pd.connector.contract import CPU_PREFIX_CACHING, ENGINE_FIXES_ENV, SHM_SPIN
 
 __all__ = ["load"]
 
@@ -29,3 +29,9 @@ def load() -> None:
         if (missing := cpu_prefix_caching.probe()) is not None:
             cpu_prefix_caching.apply()
             log.info("hybrid-pd: prefix caching of Mamba2 state on CPU by our torch scan and checkpoint store (%s)", missing)
+    if SHM_SPIN in fixes:
+        from hybrid_pd.connector.vllm import shm_spin
+
+        if (spinning := shm_spin.probe()) is not None:
+            shm_spin.apply()
+            log.info("hybrid-pd: %s; each turn sleeps %g us instead, leaving the core to the others", spinning, shm_spin.SPIN_SLEEP_S * 1e6)
