@@ -236,7 +236,7 @@ async def route(state: RouterState, path: str, body: dict[str, Any], request_id:
         early: asyncio.Future[Routed | None] | None = None
         if choice.worker is not None:
             handoff = _handoff(state, choice.worker, decode)
-            if handoff is not None:  # the decode leg goes now and waits in the decode engine for the prefill's push
+            if handoff is not None:  # the decode leg goes now and waits at the decode worker for the prefill's push
                 if trace is not None:
                     trace.event("decode_sent", rid=request_id)
                 leg_body = encoder.encode(early_decode_body(body, handoff, request_id))
