@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -9,6 +10,7 @@ import httpx
 
 from hybrid_pd.connector.contract import HANDOFF_PATH
 from hybrid_pd.router.app import RouterApp, create_app
+from hybrid_pd.router.registry import Worker
 from hybrid_pd.router.settings import RouterSettings
 
 PREFILL = "http://prefill.test:1"
@@ -95,3 +97,12 @@ def scope(path: str) -> dict:
         "client": ("127.0.0.1", 50000),
         "server": ("127.0.0.1", 8000),
     }
+
+
+async def probed(app: RouterApp, known: Callable[[Worker], bool] = lambda w: w.identity.model is not None) -> None:
+    """Wait for the health loop to have probed every static worker (it does so at start): ``known`` true of each."""
+    for _ in range(200):
+        if all(known(w) for w in app.state.router.registry.all()):
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the router never probed its workers")

@@ -6,14 +6,12 @@ Scripted workers stand in for vLLM here; tests/e2e/test_lm_eval.py runs a real c
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import httpx
 import pytest
 
-from hybrid_pd.router.app import RouterApp
-from tests.router_support import PREFILL, asgi_client, router_app
+from tests.router_support import PREFILL, asgi_client, probed, router_app
 
 DECODE_A = "http://decode-a.test:2"
 DECODE_B = "http://decode-b.test:3"
@@ -50,15 +48,6 @@ class _Vllm:
         if path == "/detokenize":
             return httpx.Response(200, json={"prompt": "hi"})
         return httpx.Response(404)
-
-
-async def _identities_known(app: RouterApp) -> None:
-    """Wait for the health loop to have read every static worker's model (it does so at start)."""
-    for _ in range(200):
-        if all(w.identity.model is not None for w in app.state.router.registry.all()):
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("the router never learned its workers' models")
 
 
 @pytest.fixture
@@ -119,7 +108,7 @@ async def test_the_worker_is_one_serving_the_model_named(vllm):
     vllm.models = {"decode-a.test": "alpha", "decode-b.test": "beta"}
     app = router_app(vllm, decode=[DECODE_A, DECODE_B])
     async with app.router.lifespan_context(app):
-        await _identities_known(app)
+        await probed(app)
         async with asgi_client(app) as c:
             for model in ("beta", "alpha", "beta"):
                 assert (await c.post("/tokenize", json={"model": model, "prompt": "hi"})).status_code == 200
@@ -141,7 +130,7 @@ async def test_the_worker_is_one_serving_the_model_named(vllm):
 async def test_with_one_model_a_request_naming_none_goes_to_a_worker_of_it(vllm):
     app = router_app(vllm, decode=[DECODE_A, DECODE_B])
     async with app.router.lifespan_context(app):
-        await _identities_known(app)
+        await probed(app)
         app.state.router.registry.by_url(DECODE_A).inflight = 3  # busy with generation
         async with asgi_client(app) as c:
             r = await c.post("/detokenize", json={"tokens": [1]})
@@ -152,7 +141,7 @@ async def test_models_lists_every_model_once_each_from_one_of_its_workers(vllm):
     vllm.models = {"decode-a.test": "alpha", "decode-b.test": "beta", "decode-c.test": "alpha"}
     app = router_app(vllm, decode=[DECODE_A, DECODE_B, "http://decode-c.test:4"])
     async with app.router.lifespan_context(app):
-        await _identities_known(app)
+        await probed(app)
         async with asgi_client(app) as c:
             r = await c.get("/v1/models")
     assert r.status_code == 200 and r.json()["object"] == "list"
@@ -162,7 +151,7 @@ async def test_models_lists_every_model_once_each_from_one_of_its_workers(vllm):
 async def test_one_model_is_its_workers_list_byte_for_byte(vllm):
     app = router_app(vllm, decode=[DECODE_A, DECODE_B])
     async with app.router.lifespan_context(app):
-        await _identities_known(app)
+        await probed(app)
         async with asgi_client(app) as c:
             r = await c.get("/v1/models")
     assert r.json() == {"object": "list", "data": [{"id": "m", "object": "model", "root": "/decode-a.test"}]}

@@ -16,16 +16,7 @@ import pytest
 from hybrid_pd.connector.contract import HANDOFF_KEY_PARAM, HANDOFF_URL_PARAM
 from hybrid_pd.connector.trace.timeline import REQUEST_ID_PARAM
 from hybrid_pd.router.app import RouterApp
-from tests.router_support import DECODE, Workers, asgi_client, router_app
-
-
-async def _started(app: RouterApp) -> None:
-    """Wait for the health loop to have probed every static worker (it does so at start)."""
-    for _ in range(200):
-        if all(w.identity.handoff is not None for w in app.state.router.registry.all()):
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("the router never probed its workers")
+from tests.router_support import DECODE, Workers, asgi_client, probed, router_app
 
 
 @pytest.fixture
@@ -39,7 +30,7 @@ def early_workers() -> Workers:
 async def early(early_workers: Workers) -> AsyncIterator[tuple[httpx.AsyncClient, RouterApp]]:
     app = router_app(early_workers)
     async with app.router.lifespan_context(app):
-        await _started(app)
+        await probed(app, lambda w: w.identity.handoff is not None)
         async with asgi_client(app) as c:
             yield c, app
 
@@ -60,7 +51,7 @@ async def test_the_decode_leg_is_in_flight_while_the_prefill_runs_and_both_legs_
 
     app = router_app(handler)
     async with app.router.lifespan_context(app):
-        await _started(app)
+        await probed(app, lambda w: w.identity.handoff is not None)
         async with asgi_client(app) as client:
             r = await client.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 8}, headers={"X-Request-Id": "r1"})
             metrics = (await client.get("/metrics")).text
@@ -129,7 +120,7 @@ async def test_an_early_leg_still_open_when_the_prefill_fails_is_closed(early_wo
         return early_workers(request)
     app = router_app(handler)
     async with app.router.lifespan_context(app):
-        await _started(app)
+        await probed(app, lambda w: w.identity.handoff is not None)
         async with asgi_client(app) as c:
             r = await asyncio.wait_for(c.post("/v1/completions", json={"model": "m", "prompt": "hi"}), 10)
             assert r.status_code == 200 and closed == [True]
@@ -153,7 +144,7 @@ async def test_a_client_that_leaves_during_the_prefill_closes_both_legs(early_wo
 
     app = router_app(handler)
     async with app.router.lifespan_context(app):
-        await _started(app)
+        await probed(app, lambda w: w.identity.handoff is not None)
         async with asgi_client(app) as c:
             sent = asyncio.ensure_future(c.post("/v1/completions", json={"model": "m", "prompt": "hi"}))
             await asyncio.wait_for(prefill_started.wait(), 10)
@@ -177,7 +168,7 @@ async def test_workers_that_do_not_take_part_get_the_legs_one_after_the_other(cl
 async def test_the_router_can_be_told_not_to_send_early_legs(early_workers):
     app = router_app(early_workers, early_decode=False)
     async with app.router.lifespan_context(app):
-        await _started(app)
+        await probed(app, lambda w: w.identity.handoff is not None)
         async with asgi_client(app) as c:
             await c.post("/v1/completions", json={"model": "m", "prompt": "hi"})
     assert [w for w, _, _ in early_workers.calls] == ["prefill", "decode"]
