@@ -6,7 +6,9 @@ Starts a stack on this machine (``hybrid_pd.stack.Stack``: the workers, the rout
 colocated vLLM server as the reference), asks the colocated server for the greedy answer to
 each prompt, then sends the requests through the router (every other one streamed) while a
 crash loop kills a random worker's vLLM (SIGKILL of its process group: a crash, not a stop)
-every ``--crash-every-s`` and restarts it. One decode worker is always left up. Prints a
+once a quarter of the requests are answered, then every ``--crash-every-s``, and restarts it (the
+first crash follows the load's progress, not the clock, so a fast stack still crashes under load).
+One decode worker is always left up. Prints a
 table and writes JSON:
 
 - ``correct``: the colocated tokens; ``wrong``: other tokens with HTTP 200 (must be 0);
@@ -33,6 +35,7 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import httpx
 import psutil
@@ -68,8 +71,11 @@ def expected_tokens(colocated: str, model: str, max_tokens: int, prompts: tuple[
         return {p: client.post(colocated + "/v1/completions", json={**body, "prompt": p}).json()["choices"][0]["token_ids"] for p in prompts}
 
 
-async def checked_load(router: str, model: str, expected: dict[str, list[int]], requests: int, concurrency: int) -> Counter[str]:
-    """Send ``requests`` greedy requests at ``concurrency`` in flight (every other one streamed); count how each ended."""
+async def checked_load(router: str, model: str, expected: dict[str, list[int]], requests: int, concurrency: int,
+                       answered: Callable[[int], None] = lambda n: None) -> Counter[str]:  # fmt: skip
+    """Send ``requests`` greedy requests at ``concurrency`` in flight (every other one streamed); count how each ended.
+
+    ``answered`` is told how many have ended after each one."""
     counts: Counter[str] = Counter()
     prompts = list(expected)
     gate = asyncio.Semaphore(concurrency)
@@ -84,8 +90,10 @@ async def checked_load(router: str, model: str, expected: dict[str, list[int]], 
                 r = await client.post("/v1/completions", json=body)
             except httpx.HTTPError:
                 counts["unclean"] += 1
+                answered(counts.total())
                 return
         counts[_outcome(r, stream, expected[prompt])] += 1
+        answered(counts.total())
 
     async with httpx.AsyncClient(base_url=router, timeout=300) as client:
         await asyncio.gather(*(one(client, i) for i in range(requests)))
@@ -134,8 +142,10 @@ def _router_counts(router: str) -> dict[str, float]:
     }
 
 
-async def _crash_loop(stack: Stack, every_s: float, rng: random.Random, done: asyncio.Event, crashes: list[str]) -> None:
-    """Every ``every_s`` while the load runs: crash a worker that is up (never the last decode one), restart it."""
+async def _crash_loop(stack: Stack, every_s: float, rng: random.Random, start: asyncio.Event, done: asyncio.Event,
+                      crashes: list[str]) -> None:  # fmt: skip
+    """From ``start``, then every ``every_s`` while the load runs: crash a worker that is up (never the last decode
+    one), restart it."""
     restarts: list[asyncio.Task] = []
     down: set[str] = set()
 
@@ -144,22 +154,20 @@ async def _crash_loop(stack: Stack, every_s: float, rng: random.Random, done: as
         await asyncio.to_thread(stack.wait_ready, name)
         down.discard(name)
 
+    await start.wait()  # set when the load is done too
     while not done.is_set():
+        decodes = [s.name for s in stack.workers("decode") if s.name not in down]
+        candidates = [s.name for s in stack.workers("prefill") if s.name not in down] + (decodes if len(decodes) > 1 else [])
+        if candidates:
+            name = rng.choice(candidates)
+            crash(next(s.url for s in stack.services if s.name == name))
+            crashes.append(name)
+            down.add(name)
+            restarts.append(asyncio.ensure_future(restart(name)))
         try:
             await asyncio.wait_for(done.wait(), every_s)
         except asyncio.TimeoutError:
             pass
-        if done.is_set():
-            break
-        decodes = [s.name for s in stack.workers("decode") if s.name not in down]
-        candidates = [s.name for s in stack.workers("prefill") if s.name not in down] + (decodes if len(decodes) > 1 else [])
-        if not candidates:
-            continue
-        name = rng.choice(candidates)
-        crash(next(s.url for s in stack.services if s.name == name))
-        crashes.append(name)
-        down.add(name)
-        restarts.append(asyncio.ensure_future(restart(name)))
     await asyncio.gather(*restarts)  # the stack is whole again before it is judged
 
 
@@ -186,12 +194,18 @@ def run_chaos(stack: Stack, requests: int, concurrency: int, crash_every_s: floa
     report = ChaosReport(requests, concurrency)
 
     async def both() -> Counter[str]:
-        done = asyncio.Event()
-        chaos = asyncio.ensure_future(_crash_loop(stack, crash_every_s, random.Random(seed), done, report.crashes))
+        start, done = asyncio.Event(), asyncio.Event()
+        chaos = asyncio.ensure_future(_crash_loop(stack, crash_every_s, random.Random(seed), start, done, report.crashes))
+
+        def answered(n: int) -> None:
+            if n >= max(1, requests // 4):
+                start.set()
+
         try:
-            return await checked_load(stack.url, model, expected, requests, concurrency)
+            return await checked_load(stack.url, model, expected, requests, concurrency, answered)
         finally:
             done.set()
+            start.set()
             await chaos
 
     started = time.perf_counter()
