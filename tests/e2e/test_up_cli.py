@@ -175,6 +175,44 @@ def test_up_says_ready_and_answers_as_the_colocated_baseline(up: Up):
     assert streamed.text.rstrip().endswith("data: [DONE]")
 
 
+def _cpu_list(text: str) -> set[int]:
+    """A Linux CPU list ("0", "0-3,6") as a set of core ids."""
+    cores: set[int] = set()
+    for part in text.split(","):
+        low, _, high = part.partition("-")
+        cores.update(range(int(low), int(high or low) + 1))
+    return cores
+
+
+def _thread_affinities(pid: int) -> dict[int, set[int]]:
+    found = {}
+    for thread in psutil.Process(pid).threads():
+        try:
+            found[thread.id] = os.sched_getaffinity(thread.id)
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return found
+
+
+def test_each_model_worker_runs_on_the_cores_its_worker_was_given(up: Up):
+    """Issue #36: vLLM 0.32's NIXL connector moved each P/D model worker's main thread, the one that runs the model, to the
+    machine's last core: prefill and decode both ran on core 1 of 2 whatever --cpu-threads-bind said, and a busy decode
+    worker starved a starting prefill. Every thread of each VLLM::Worker runs where its worker's --cpu-threads-bind says."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one core: every worker is on it")
+    seen = {}
+    for role in ("prefill", "decode", "colocated"):
+        service, vllm = _vllm(up, role)
+        argv = _cmdline(service)
+        given = _cpu_list(argv[argv.index("--cpu-threads-bind") + 1])
+        threads = _thread_affinities(vllm["VLLM::Worker"])
+        seen[role] = (sorted(given), os.sched_getaffinity(vllm["VLLM::Worker"]))
+        assert os.sched_getaffinity(vllm["VLLM::Worker"]) == given, f"{role}'s model thread: {seen}"
+        assert {tid: cores for tid, cores in threads.items() if cores != given} == {}, f"{role}'s model worker's threads"
+    print(f"\nmodel workers (cores given, main thread's affinity): {seen}")
+    assert seen["prefill"][1] != seen["decode"][1], "the prefill and the decode engine on cores of their own"
+
+
 def test_a_model_worker_killed_serving_then_starting_ends_its_worker_and_up_starts_it_again(up: Up):
     """SIGKILL of the decode worker's model worker while it serves, then of the one its restart starts, right where
     issue #27's died (after `Using cpu Mamba SSU backend`), with the engine core frozen so it cannot reap it: each time

@@ -48,7 +48,10 @@ it is vLLM's pull connector, with the fixes and hooks below switched on per work
    the state instead of prefilling the whole prompt itself (:mod:`hybrid_pd.connector.vllm.state_pull_hit`).
 11. **The early decode leg.** A prefill whose leg names a decode worker's URL and a hand-off key pushes
    its ``kv_transfer_params`` there the moment it ends (:mod:`hybrid_pd.connector.vllm.handoff` says why).
-12. **Negative control, tests only.** ``HYBRID_PD_TEST_ONLY_DISABLE_DECODE_ROW_FIX=1``
+12. **The model on its own cores.** vLLM's connector worker moves the CPU model worker's main thread, the
+   one that runs the model, to the last core of the NUMA node; it is put back on the cores OpenMP bound it to
+   (``VLLM_CPU_OMP_THREADS_BIND``, :mod:`hybrid_pd.connector.vllm.cpu_affinity` says why).
+13. **Negative control, tests only.** ``HYBRID_PD_TEST_ONLY_DISABLE_DECODE_ROW_FIX=1``
    removes vLLM's decode-row reclassification in this engine, behind the start-up
    checks' back: what a vLLM without it does. On a GPU with FULL CUDA graphs such a
    decode worker answers wrongly (``hybrid_pd/bench/gpu/gsm8k_gate.py`` shows it).
@@ -84,6 +87,7 @@ from hybrid_pd.connector.contract import (
 )
 from hybrid_pd.connector.trace.timeline import from_env as timeline_writer
 from hybrid_pd.connector.vllm.capabilities import reports_failed_pulls, vllm_version
+from hybrid_pd.connector.vllm.cpu_affinity import kept_affinity
 from hybrid_pd.connector.vllm.decode_rows import apply_fix, remove_vllm_fix
 from hybrid_pd.connector.vllm.handoff import Outbox
 from hybrid_pd.connector.vllm.kv_lease import lease_expiry, pull_outlived_lease, stamp_lease
@@ -158,7 +162,8 @@ class NixlConnector(NixlPullConnector):
     _outbox: Outbox | None = None  # prefill scheduler: pushes to the decode workers of early legs
 
     def __init__(self, vllm_config, role, kv_cache_config) -> None:  # noqa: ANN001 - vLLM's signature
-        super().__init__(vllm_config, role, kv_cache_config)
+        with kept_affinity("vLLM's NIXL connector worker"):
+            super().__init__(vllm_config, role, kv_cache_config)
         self._lease_s = float(vllm_config.kv_transfer_config.get_from_extra_config("kv_lease_duration", 30))
         self._allocated_expiry: dict[str, float] = {}  # decode scheduler: pulls not yet handed to the workers
         self._pull_expiry: dict[str, float] = {}  # decode worker: pulls in flight
