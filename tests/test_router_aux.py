@@ -157,6 +157,19 @@ async def test_one_model_is_its_workers_list_byte_for_byte(vllm):
     assert r.json() == {"object": "list", "data": [{"id": "m", "object": "model", "root": "/decode-a.test"}]}
 
 
+async def test_flexible_workers_alone_answer_as_decode_workers_do(vllm):
+    """`hybrid-pd up --flex 2 --prefill 0 --decode 0` (the planner's default): no worker registered as decode, yet every
+    flexible worker decodes. Before, /v1/models answered 503 there and `vllm bench serve` could not start."""
+    app = router_app(vllm, prefill=[], decode=[], flex=[DECODE_A, DECODE_B])
+    async with app.router.lifespan_context(app):
+        await probed(app)
+        async with asgi_client(app) as c:
+            models = await c.get("/v1/models")
+            version = await c.get("/version")
+    assert models.json() == {"object": "list", "data": [{"id": "m", "object": "model", "root": "/decode-a.test"}]}
+    assert version.status_code == 200 and version.json() == {"version": "0.32.0"}
+
+
 async def test_no_healthy_decode_worker_is_503_and_an_unreachable_one_502(vllm):
     vllm.down.add("decode.test")
     app = router_app(vllm)

@@ -30,7 +30,7 @@ import httpx
 from hybrid_pd.common.openai_errors import OpenAIError
 from hybrid_pd.router.jsoncodec import dumps, loads_strict
 from hybrid_pd.router.metrics import Route
-from hybrid_pd.router.registry import Worker
+from hybrid_pd.router.registry import DECODERS, Worker
 from hybrid_pd.router.state import RouterState
 
 __all__ = ["AUX_PATHS", "choose_worker", "forward"]
@@ -46,10 +46,11 @@ AUX_PATHS: dict[str, tuple[str, Route]] = {
 
 
 async def _available(state: RouterState) -> list[Worker]:
-    """The available decode workers; when there are none, evicted ones may be back: look now, as a generation request does."""
+    """The available workers that decode (flexible ones too); when there are none, evicted ones may be back: look now, as a
+    generation request does."""
     if not state.pairing.decode_available():
         await state.registry.check_all(state.upstream)
-    available = [w for w in state.registry.role("decode") if w.available]
+    available = [w for w in state.registry.role(*DECODERS) if w.available]
     if not available:
         raise OpenAIError(503, "no decode worker is available")
     return available
