@@ -270,6 +270,22 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+def _planner_profile(args: argparse.Namespace) -> tuple[str, ...]:
+    """The router flag that gives ``up --flex N`` (N >= 2) its planner: the embedded model's shipped profile for the device,
+    unless a ``--router-arg`` names one; for another model, a warning: its flexible workers serve whole requests."""
+    from hybrid_pd.default_model import DEFAULT_PROFILES
+
+    if args.flex < 2 or any(a.startswith("--planner-profile") for a in args.router_args):
+        return ()
+    if args.model is None and args.device in DEFAULT_PROFILES:
+        return (f"--planner-profile={DEFAULT_PROFILES[args.device]}",)
+    log.warning(
+        "the %d flexible workers serve whole requests: no profile of %s on %s for the planner; measure one (hybrid-pd profile) "
+        "and pass --router-arg=--planner-profile=PROFILE.json", args.flex, args.model or "the embedded model", args.device,
+    )  # fmt: skip
+    return ()
+
+
 def _run_up(args: argparse.Namespace) -> int:
     from hybrid_pd.common.processes import listen_problem
     from hybrid_pd.default_model import resolve_model
@@ -280,6 +296,7 @@ def _run_up(args: argparse.Namespace) -> int:
     if args.decode + args.flex == 0:
         raise UsageError("--decode 0 --flex 0: the stack needs a worker that decodes; give --decode or --flex at least 1")
     model, name = resolve_model(args.model)
+    router_args = tuple(args.router_args) + _planner_profile(args)
     config = StackConfig(
         model=model,
         served_model_name=name,
@@ -288,7 +305,7 @@ def _run_up(args: argparse.Namespace) -> int:
         prefill=args.prefill,
         decode=args.decode,
         flex=args.flex,
-        router_args=tuple(args.router_args),
+        router_args=router_args,
         device=args.device,
         baseline=args.baseline,
         timeline_dir=args.timeline_dir,

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["DEFAULT_MODEL_NAME", "default_model_dir", "ensure_default_model", "resolve_model"]
+__all__ = ["DEFAULT_MODEL_NAME", "DEFAULT_PROFILES", "default_model_dir", "ensure_default_model", "resolve_model"]
 
 DEFAULT_MODEL_NAME = "hybrid-pd-tiny"
+# The embedded model's profiles (hybrid_pd/sizing/profiles/) by device: the planner of `hybrid-pd up --flex N` uses them.
+DEFAULT_PROFILES = {"cpu": "tiny-cpu"}
 
 # What vLLM needs from the directory.
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")

@@ -53,7 +53,7 @@ class StackConfig:
     port: int = 8000
     prefill: int = 1
     decode: int = 1
-    flex: int = 0  # flexible workers (vLLM's kv_both): replicas, split by phase when the router has SLOs
+    flex: int = 0  # flexible workers (vLLM's kv_both): whole requests, or the roles the router's planner gives them
     device: str = "cpu"
     baseline: bool = False
     log_dir: Path = field(default_factory=lambda: Path.cwd() / ".hybrid-pd" / "logs")

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import httpx
@@ -117,18 +117,27 @@ async def test_the_planner_moves_roles_from_the_traffic_it_measured(tmp_path):
     assert {p["layout"] for p in shown["predictions"]} == {"4 flex", "1P3D", "2P2D", "3P1D"}
 
 
-async def test_a_router_with_a_leader_takes_its_roles():
-    workers = FlexWorkers()
-    leader = router_app(workers, prefill=[], decode=[], flex=[FLEX_A, FLEX_B])
+def _routers(workers: FlexWorkers, apps: dict[str, object]) -> Callable[[httpx.Request], Awaitable[httpx.Response]]:
+    """The network of several routers and their workers: ``http://NAME.test`` reaches ``apps[NAME]`` (filled in later)."""
 
-    async def both(request: httpx.Request) -> httpx.Response:
-        if request.url.host == "leader.test":
-            async with asgi_client(leader) as client:
+    async def handler(request: httpx.Request) -> httpx.Response:
+        name = request.url.host.removesuffix(".test")
+        if name in apps:
+            async with asgi_client(apps[name]) as client:
                 answer = await client.get(request.url.path)
             return httpx.Response(answer.status_code, content=answer.content, headers={"content-type": "application/json"})
         return workers(request)
 
-    follower = router_app(both, prefill=[], decode=[], flex=[FLEX_A, FLEX_B], planner_leader="http://leader.test:9", planner_interval_s=0.05)
+    return handler
+
+
+async def test_a_router_without_a_profile_takes_the_roles_of_its_peer_that_decides(tmp_path):
+    workers, apps = FlexWorkers(), {}
+    profile = tmp_path / "profile.json"
+    Profile.load(H100_PROFILE).save(profile)
+    leader = apps["leader"] = router_app(workers, prefill=[], decode=[], flex=[FLEX_A, FLEX_B], planner_profile=str(profile))
+    follower = router_app(_routers(workers, apps), prefill=[], decode=[], flex=[FLEX_A, FLEX_B], planner_peers=["http://leader.test:9"],
+                          planner_interval_s=0.05)  # fmt: skip
     async with leader.router.lifespan_context(leader), follower.router.lifespan_context(follower):
         for app in (leader, follower):
             for worker in app.state.router.registry.all():
@@ -139,15 +148,61 @@ async def test_a_router_with_a_leader_takes_its_roles():
             await asyncio.sleep(0.05)
         async with asgi_client(follower) as client:
             r = await client.post("/v1/completions", json={"model": "m", "prompt": "x" * 4000, "max_tokens": 3})
+            shown = (await client.get("/planner")).json()
     assert follower.state.router.pairing.roles == {FLEX_A: "prefill", FLEX_B: "decode"}
     assert r.status_code == 200 and [host for host, _ in workers.calls] == ["flex-a.test", "flex-b.test"]  # A prefilled, B decoded
+    assert shown["leader"] == leader.state.router.planner.id and not shown["leads"]
 
 
-def test_the_planner_needs_both_targets_and_one_brain():
-    with pytest.raises(ValueError, match="needs both targets"):
-        RouterSettings(flex=["http://f:1"], planner_profile="p.json", slo_ttft_ms=500.0)
-    with pytest.raises(ValueError, match="not both"):
-        RouterSettings(planner_profile="p.json", slo_ttft_ms=500.0, slo_tpot_ms=20.0, planner_leader="http://r:1")
+async def test_two_routers_agree_the_one_up_longest_decides_for_the_traffic_of_both(tmp_path):
+    """Each router has half of 128 requests in flight of 1000/512 tokens, on four flexible workers under 500/20 ms. Alone, 64
+    in flight, whole requests are best (the four-H100 matrix); together, 1P3D. Both have the profile: the older decides from
+    the merged traffic, the other takes its roles (deciding alone, it would keep whole requests)."""
+    flex = [f"http://flex-{i}.test:{i + 1}" for i in range(4)]
+    profile = tmp_path / "profile.json"
+    Profile.load(H100_PROFILE).model_copy(update={"cache_bytes": 14 << 30}).save(profile)
+    workers, apps = FlexWorkers(), {}
+    network = _routers(workers, apps)
+    for name, peer in (("a", "b"), ("b", "a")):
+        apps[name] = router_app(
+            network, prefill=[], decode=[], flex=flex, slo_ttft_ms=500.0, slo_tpot_ms=20.0, planner_profile=str(profile),
+            planner_interval_s=0.2, planner_window_s=10.0, planner_peers=[f"http://{peer}.test:9"],
+        )  # fmt: skip
+    a, b = (apps[n].state.router for n in "ab")
+    a.planner.id, b.planner.id = "1-a", "2-b"  # a started first
+    async with contextlib.AsyncExitStack() as stack:
+        for app in apps.values():
+            await stack.enter_async_context(app.router.lifespan_context(app))
+        now = time.perf_counter()
+        for state in (a, b):
+            for i, worker in enumerate(state.registry.all()):
+                state.registry.record_health(worker, ok=True)
+                worker.load.decodes = 40 - i
+            for _ in range(64):
+                state.planner.traffic.started(now - 10, 1000, 512)
+            for i in range(32):
+                state.planner.traffic.ended(now - 5 + i * 0.1, 1000, 512, 1000, 512)
+                state.planner.traffic.started(now - 5 + i * 0.1, 1000, 512)
+        deadline = time.perf_counter() + 60  # the decisions' processes start first
+        while (a.planner.moves == 0 or b.pairing.roles != a.pairing.roles) and time.perf_counter() < deadline:
+            await asyncio.sleep(0.1)
+        shown = {name: (await _get(apps[name], "/planner")) for name in "ab"}
+    assert shown["a"]["layout"] == shown["b"]["layout"] == "1P3D", shown
+    assert shown["a"]["leads"] and not shown["b"]["leads"] and shown["b"]["leader"] == "1-a"
+    assert b.planner.decision is None  # b never decided: a, up longer, did
+
+
+async def _get(app: object, path: str) -> dict:
+    async with asgi_client(app) as client:
+        return (await client.get(path)).json()
+
+
+def test_the_planners_settings_are_checked():
+    with pytest.raises(ValueError, match="no profile 'p.json'"):
+        RouterSettings(flex=["http://f:1"], planner_profile="p.json")
+    assert RouterSettings(planner_profile="nemotron-h-8b-h100").slo_ttft_ms is None  # a shipped profile, no targets: no bound
+    with pytest.raises(ValueError, match="must start with http"):
+        RouterSettings(planner_peers=["router-admin:8000"])
 
 
 def test_flex_urls_are_checked_like_the_others():

@@ -112,6 +112,23 @@ def test_the_routers_window_measures_the_arrivals_lengths_corrected_by_usage_and
     assert later.requests == 1 and later.concurrency == pytest.approx((3 * 1 + 2 * 1 + 3 * 8) / 10)
 
 
+def test_two_routers_windows_merge_into_the_traffic_of_both():
+    """Each router sees part of the traffic (its clients); the one that decides sizes for all of it: every arrival, each with
+    its router's correction, and the requests in flight of both summed over time, from views taken on different clocks."""
+    a, b = TrafficWindow(10.0, 2.0), TrafficWindow(10.0, 2.0)
+    for _ in range(4):
+        a.started(100.0, 500, 50)
+    a.ended(101.0, 500, 50, 1000, 50)  # a's workers counted twice its estimates
+    for _ in range(2):
+        b.started(1003.0, 1500, 60)  # b's clock reads 1000 s more
+    merged = TrafficWindow.merged([a.view(104.0), b.view(1004.0)], 10.0, 2.0, 50.0)
+    traffic = merged.summary(50.0)
+    assert traffic.requests == 6 and (traffic.prompt, traffic.output) == (Lengths(1000, 1500), Lengths(50, 60))
+    # in flight: 4 of a's from -4 s, 3 from -3 s; b's 2 from -1 s: over the 4 s the window has seen
+    assert traffic.concurrency == pytest.approx((4 * 1 + 3 * 2 + 5 * 1) / 4)
+    assert TrafficWindow.merged([], 10.0, 2.0, 50.0).summary(50.0) is None
+
+
 def test_a_window_the_traffic_began_inside_reads_the_load_it_saw():
     """The four-H100 run: 128 requests in flight from 2 s before the planner's first look read as 25.6 over a 10 s window,
     and the planner moved to 1P3D only once the window had filled, 12 s in."""

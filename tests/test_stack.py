@@ -192,3 +192,20 @@ def test_up_waits_longer_than_a_worker_waits_for_its_own_vllm():
     from hybrid_pd.worker.settings import WorkerSettings
 
     assert _stack().config.ready_timeout_s >= WorkerSettings().ready_timeout_s + 30
+
+
+def test_up_with_flexible_workers_gives_the_router_the_embedded_models_profile_unless_told_otherwise(caplog):
+    """`hybrid-pd up --flex N` runs the planner by default: on CPU with the embedded model, its shipped profile; a profile the
+    user names wins; another model (no profile shipped) runs whole requests and says why; one flexible worker has no layout."""
+    from hybrid_pd.cli import _planner_profile, build_parser
+    from hybrid_pd.router.settings import RouterSettings
+
+    def flags(*argv: str) -> tuple[str, ...]:
+        return _planner_profile(build_parser().parse_args(["up", *argv]))
+
+    (default,) = flags("--flex", "2")
+    assert default == "--planner-profile=tiny-cpu" and RouterSettings(planner_profile=default.split("=")[1]).planner_profile
+    assert flags("--flex", "2", "--router-arg=--planner-profile=/p.json") == ()
+    assert flags("--flex", "1") == () and flags("--prefill", "1", "--decode", "1") == ()
+    assert flags("--flex", "4", "--model", "ibm-granite/granite-4.0-h-tiny") == ()
+    assert "4 flexible workers serve whole requests: no profile of ibm-granite/granite-4.0-h-tiny on cpu" in caplog.text

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from pathlib import Path
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
 from typing import Any
@@ -43,7 +42,7 @@ from hybrid_pd.router.health import health_body
 from hybrid_pd.router.jsoncodec import dumps, loads_strict
 from hybrid_pd.router.metrics import GENERATION, Route, RouterMetrics
 from hybrid_pd.router.pairing import Pairing
-from hybrid_pd.router.planner import Planner
+from hybrid_pd.router.planner import PEER_PATH, Planner
 from hybrid_pd.router.policies import PolicyContext, RequestInfo, make_policy
 from hybrid_pd.router.registry import Registry, Worker
 from hybrid_pd.router.relay import answer_whole, relay_answers
@@ -52,7 +51,7 @@ from hybrid_pd.router.settings import RouterSettings
 from hybrid_pd.router.state import RouterState
 from hybrid_pd.sizing.traffic import TrafficWindow
 from hybrid_pd.router.upstream import AiohttpTransport, Upstream
-from hybrid_pd.sizing.profile import Profile
+from hybrid_pd.sizing.profile import Profile, profile_path
 
 __all__ = ["create_app", "RouterApp"]
 
@@ -108,7 +107,7 @@ def create_app(settings: RouterSettings, transport: httpx.AsyncBaseTransport | N
         per_worker_limit=settings.max_concurrency_per_worker,
     )
     register_signals(metrics.registry, registry, settings.max_concurrency_per_worker)
-    profile = Profile.load(Path(settings.planner_profile)) if settings.planner_profile is not None else None
+    profile = Profile.load(profile_path(settings.planner_profile)) if settings.planner_profile is not None else None
     planner = Planner(settings, registry, pairing, metrics, TrafficWindow(settings.planner_window_s, settings.planner_interval_s), profile)
     state = RouterState(settings=settings, registry=registry, metrics=metrics, pairing=pairing, planner=planner)
     timeout = httpx.Timeout(settings.request_timeout_s, connect=settings.connect_timeout_s)
@@ -121,7 +120,7 @@ def create_app(settings: RouterSettings, transport: httpx.AsyncBaseTransport | N
         async with Upstream(transport or AiohttpTransport(keepalive_s=settings.upstream_keepalive_s), timeout) as upstream:
             state.upstream = upstream
             health = asyncio.create_task(registry.watch(upstream, settings.health_interval_s))
-            plans = asyncio.create_task(planner.run(upstream)) if planner.leads or settings.planner_leader else None
+            plans = asyncio.create_task(planner.run(upstream)) if planner.looks else None
             try:
                 yield
             finally:
@@ -159,8 +158,13 @@ def create_app(settings: RouterSettings, transport: httpx.AsyncBaseTransport | N
 
     @app.get("/planner")
     async def planner_state() -> JSONResponse:
-        """The flexible workers' roles by URL (what routers started with --planner-leader take), the layout and the last decision."""
+        """The flexible workers' roles by URL, the layout, the leading router and the last decision."""
         return JSONResponse(planner.snapshot())
+
+    @app.get(PEER_PATH)
+    async def planner_peer() -> JSONResponse:
+        """What this router shares with its peers (``--planner-peer``): its id, whether it decides, its roles and traffic."""
+        return JSONResponse(planner.peer())
 
     return app
 

@@ -8,9 +8,15 @@ worker's role (:func:`hybrid_pd.sizing.planner.assign`: as few moves as it takes
 prefilling keeps decoding the requests it holds, and the requests already routed finish where
 they are, so no request is lost while roles move.
 
-Several routers in front of the same workers agree by having one decide: a router started with
-``--planner-leader URL`` decides nothing and takes the roles that router serves at ``GET
-/planner`` (by worker URL), every period. Layout, predictions and every move are on
+Several routers in front of the same workers (``--planner-peer``: each router's URL, or one name
+that resolves to all of them, a headless Service) agree by having one decide: every period each
+asks its peers for ``GET /planner/peer`` (:meth:`Planner.peer`: an id that orders routers by when
+they started, whether it has a profile, its roles and its traffic window). Of the routers with a
+profile, the one up longest leads: it decides for the traffic of all (their windows merged,
+:meth:`hybrid_pd.sizing.traffic.TrafficWindow.merged`), the others take its roles. A restarted
+router does not take the lead from one that runs; a leader that stops answering is replaced by the
+next within a period; a router that reaches no leader keeps its roles (any roles serve every
+request correctly; only the goodput differs). Layout, predictions and every move are on
 ``/metrics`` (``hybrid_pd_planner_*``) and in the log.
 """
 
@@ -18,11 +24,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import multiprocessing
+import socket
 import time
+import uuid
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -31,14 +41,16 @@ from hybrid_pd.router.metrics import RouterMetrics
 from hybrid_pd.router.pairing import Pairing
 from hybrid_pd.router.registry import Registry
 from hybrid_pd.router.settings import RouterSettings
-from hybrid_pd.sizing.traffic import TrafficWindow
+from hybrid_pd.sizing.traffic import TrafficWindow, WindowView
 from hybrid_pd.router.upstream import Upstream
 from hybrid_pd.sizing.layouts import Layout
-from hybrid_pd.sizing.planner import ROLES, Decision, Role, assign, decide
+from hybrid_pd.sizing.planner import ROLES, Decision, Role, Traffic, assign, decide
 from hybrid_pd.sizing.profile import Profile
 from hybrid_pd.sizing.simulate import SLO
 
-__all__ = ["Planner", "layout_of"]
+__all__ = ["PEER_PATH", "Planner", "layout_of"]
+
+PEER_PATH = "/planner/peer"  # what a router shares with its peers (Planner.peer)
 
 log = logging.getLogger("hybrid_pd.router")
 
@@ -61,10 +73,19 @@ class Planner:
     profile: Profile | None = None
     decision: Decision | None = None
     moves: int = 0
+    leader: str | None = None  # the leading router's id, once peers answered
+    # Orders routers by when they started (wall clock, fixed width), then at random: the one up longest leads.
+    id: str = field(default_factory=lambda: f"{time.time():017.6f}-{uuid.uuid4().hex[:8]}")
 
     @property
-    def leads(self) -> bool:
-        return self.profile is not None and self.settings.planner_leader is None
+    def decides(self) -> bool:
+        """Whether this router can decide (it has the model's profile): it does unless a peer up longer can too."""
+        return self.profile is not None
+
+    @property
+    def looks(self) -> bool:
+        """Whether the planner runs at all: it decides, or it has peers to follow."""
+        return self.decides or bool(self.settings.planner_peers)
 
     def flex(self) -> list[str]:
         """The available flexible workers' URLs, in registration order: the workers the planner lays out."""
@@ -73,15 +94,12 @@ class Planner:
     async def run(self, upstream: Upstream) -> None:
         """Look every ``planner_interval_s``: decide (the leader) or follow, until cancelled."""
         interval = self.settings.planner_interval_s
-        pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) if self.leads else None
+        pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) if self.decides else None
         try:
             while True:
                 await asyncio.sleep(interval)
                 try:
-                    if pool is not None:
-                        await self._decide(pool)
-                    else:
-                        await self._follow(upstream)
+                    await self._look(upstream, pool)
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:  # noqa: BLE001 - a failed look leaves the roles as they are; the next one tries again
@@ -90,15 +108,49 @@ class Planner:
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
 
-    async def _decide(self, pool: ProcessPoolExecutor) -> None:
+    async def _look(self, upstream: Upstream, pool: ProcessPoolExecutor | None) -> None:
+        """One period: the peers' state, then decide (this router leads) or take the leader's roles."""
+        now = time.perf_counter()
+        peers = [p for p in await self._peers(upstream) if p.get("id") != self.id]
+        deciding = [p for p in peers if p.get("decides")]
+        if self.decides and all(self.id < p["id"] for p in deciding):
+            self.leader = self.id
+            if pool is not None:
+                views = [self.traffic.view(now)] + [_view(p["window"]) for p in peers if isinstance(p.get("window"), dict)]
+                window = TrafficWindow.merged(views, self.traffic.seconds, self.traffic.recent_s, now) if len(views) > 1 else self.traffic
+                await self._decide(pool, window.summary(now))
+            return
+        if not deciding:
+            return
+        leader = min(deciding, key=lambda p: p["id"])
+        self.leader = leader["id"]
+        roles = leader.get("roles")
+        if isinstance(roles, dict) and roles != self.pairing.roles:
+            self.apply({str(url): role for url, role in roles.items() if role in ROLES}, f"from the leader {leader['id']}")
+
+    async def _peers(self, upstream: Upstream) -> list[dict[str, Any]]:
+        """What every peer router that answers shares (:meth:`peer`); each name of ``--planner-peer`` asked at every address."""
+        urls = [u for peer in self.settings.planner_peers for u in await _addresses(peer)]
+
+        async def ask(url: str) -> dict[str, Any] | None:
+            try:
+                answer = await upstream.request("GET", url + PEER_PATH, timeout=min(2.0, self.settings.planner_interval_s))
+                body = answer.json() if answer.status_code == 200 else None
+            except (httpx.HTTPError, ValueError) as exc:
+                log.debug("planner peer did not answer %s", kv(peer=url, error=type(exc).__name__))
+                return None
+            return body if isinstance(body, dict) and isinstance(body.get("id"), str) else None
+
+        return [body for body in await asyncio.gather(*(ask(u) for u in dict.fromkeys(urls))) if body is not None]
+
+    async def _decide(self, pool: ProcessPoolExecutor, traffic: Traffic | None) -> None:
         workers = self.flex()
-        traffic = self.traffic.summary(time.perf_counter())
         if len(workers) < 2 or traffic is None or traffic.requests < 2 * len(workers):
             return
         s = self.settings
-        assert self.profile is not None and s.slo_ttft_ms is not None and s.slo_tpot_ms is not None
+        assert self.profile is not None
         current = layout_of(self.pairing.roles, workers)
-        slo = SLO(s.slo_ttft_ms, s.slo_tpot_ms)
+        slo = SLO(s.slo_ttft_ms or math.inf, s.slo_tpot_ms or math.inf)
         loop = asyncio.get_running_loop()
         decision = await loop.run_in_executor(pool, decide, self.profile, traffic, slo, len(workers), current, s.planner_margin)
         self.decision = decision
@@ -107,18 +159,6 @@ class Planner:
         if decision.moves and workers == self.flex():  # the workers did not change while it simulated
             decodes = {w.url: w.load.decodes for w in self.registry.role("flex")}
             self.apply(assign(decision.layout, workers, self.pairing.roles, decodes), decision.why)
-
-    async def _follow(self, upstream: Upstream) -> None:
-        leader = self.settings.planner_leader
-        assert leader is not None
-        try:
-            answer = await upstream.request("GET", leader.rstrip("/") + "/planner")
-            roles = answer.json()["roles"] if answer.status_code == 200 else None
-        except (httpx.HTTPError, ValueError, KeyError) as exc:
-            log.warning("planner leader unreachable; roles unchanged %s", kv(leader=leader, error=type(exc).__name__))
-            return
-        if isinstance(roles, dict) and roles != self.pairing.roles:
-            self.apply({str(url): role for url, role in roles.items() if role in ROLES}, f"from the leader {leader}")
 
     def apply(self, roles: dict[str, Role], why: str) -> None:
         """Give the flexible workers ``roles`` (by URL; a worker not named serves whole requests); counted and logged."""
@@ -134,8 +174,9 @@ class Planner:
         """What ``GET /planner`` shows: the roles by worker URL, the layout, and the last decision's predictions."""
         workers = self.flex()
         out: dict[str, Any] = {
-            "leads": self.leads,
-            "leader": self.settings.planner_leader,
+            "id": self.id,
+            "leads": self.leader == self.id if self.settings.planner_peers else self.decides,
+            "leader": self.leader,
             "layout": layout_of(self.pairing.roles, workers).name,
             "roles": {w: self.pairing.roles.get(w, "whole") for w in workers},
             "moves": self.moves,
@@ -147,3 +188,30 @@ class Planner:
             ]
         return out
 
+
+    def peer(self) -> dict[str, Any]:
+        """What ``GET /planner/peer`` shares with the other routers: who this is, whether it can decide, its roles and traffic."""
+        view = self.traffic.view(time.perf_counter())
+        return {
+            "id": self.id,
+            "decides": self.decides,
+            "roles": dict(self.pairing.roles),
+            "window": {"arrived": [[round(a, 3), p, o] for a, p, o in view.arrived], "inflight": [[round(a, 3), n] for a, n in view.inflight]},
+        }
+
+
+def _view(window: dict[str, Any]) -> WindowView:
+    """A peer's window from its JSON (:meth:`Planner.peer`)."""
+    return WindowView(tuple((float(a), int(p), int(o)) for a, p, o in window["arrived"]), tuple((float(a), int(n)) for a, n in window["inflight"]))
+
+
+async def _addresses(url: str) -> list[str]:
+    """``url`` at each address its host name resolves to (a headless Service: every router); as it is where it does not resolve."""
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(parts.hostname, port, type=socket.SOCK_STREAM)
+    except OSError:
+        return [url]
+    hosts = dict.fromkeys(info[4][0] for info in infos)
+    return [f"{parts.scheme}://{f'[{h}]' if ':' in h else h}:{port}" for h in hosts] or [url]

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from hybrid_pd.common import checks
 from hybrid_pd.common.cli_flags import ENV_ONLY, Flag
 from hybrid_pd.router.policies import POLICIES
+from hybrid_pd.sizing.profile import ProfileError, profile_path
 
 __all__ = ["RouterSettings"]
 
@@ -21,7 +22,8 @@ class RouterSettings(BaseSettings):
     NIXL connector (``http://host:port``); lists in the environment are JSON.
     """
 
-    model_config = SettingsConfigDict(env_prefix="HYBRID_PD_ROUTER_")
+    # An empty variable is unset: compose passes ``${PLANNER_PROFILE:-}`` and the like as empty strings.
+    model_config = SettingsConfigDict(env_prefix="HYBRID_PD_ROUTER_", env_ignore_empty=True)
 
     host: str = Field("127.0.0.1", description="bind address")
     port: int = Field(8000, description="port")
@@ -62,14 +64,17 @@ class RouterSettings(BaseSettings):
     )
     local_prefill_below_tokens: int = Field(0, ge=0, description="prompts estimated shorter skip the prefill leg (0: always P/D)")
     # The planner (hybrid_pd/router/planner.py): the layout of the flexible workers, from the live traffic and the model's profile.
-    slo_ttft_ms: float | None = Field(None, gt=0, description="TTFT target the planner serves to (with --slo-tpot-ms and --planner-profile)")
-    slo_tpot_ms: float | None = Field(None, gt=0, description="TPOT target the planner serves to")
+    slo_ttft_ms: float | None = Field(None, gt=0, description="TTFT target the planner serves to; unset: no bound")
+    slo_tpot_ms: float | None = Field(None, gt=0, description="TPOT target the planner serves to; unset: no bound (with neither, it sizes for requests per second)")
     planner_profile: str | None = Field(
         None,
-        description="the model's profile (hybrid-pd profile): with both SLO targets and 2+ flexible workers, the planner gives each its role",
+        description="the model's profile, a hybrid-pd profile JSON or a shipped one's name (nemotron-h-8b-h100, tiny-cpu): "
+        "with 2+ flexible workers the planner gives each its role",
     )
-    planner_leader: str | None = Field(
-        None, description="URL of the router whose planner decides: this router takes the roles it serves at /planner (several routers, one brain)"
+    planner_peers: Annotated[list[str], Flag("--planner-peer")] = Field(
+        default_factory=list,
+        description="URL of a router in front of the same flexible workers (repeatable; a name that resolves to several "
+        "addresses, a headless Service, stands for each): of all, the one up longest with a profile decides, for the traffic of all",
     )
     planner_interval_s: float = Field(2.0, gt=0, description="seconds between the planner's looks at the traffic")
     planner_window_s: float = Field(10.0, gt=0, description="the planner sizes for the traffic that arrived in the last this many seconds")
@@ -100,12 +105,12 @@ class RouterSettings(BaseSettings):
     _port = field_validator("port")(checks.tcp_port)
     _timeouts = field_validator("connect_timeout_s", "request_timeout_s")(checks.positive)
 
-    @field_validator("prefill", "decode", "flex")
+    @field_validator("prefill", "decode", "flex", "planner_peers")
     @classmethod
     def _urls(cls, urls: list[str]) -> list[str]:
         for url in urls:
             if not url.startswith(("http://", "https://")):
-                raise ValueError(f"worker URL must start with http:// or https:// (got {url!r})")
+                raise ValueError(f"URL must start with http:// or https:// (got {url!r})")
         return [url.rstrip("/") for url in urls]
 
     @field_validator("decode_policy", "prefill_policy")
@@ -115,10 +120,12 @@ class RouterSettings(BaseSettings):
             raise ValueError(f"unknown policy {name!r}; choose one of {sorted(POLICIES)}")
         return name
 
-    @model_validator(mode="after")
-    def _planner(self) -> RouterSettings:
-        if self.planner_profile is not None and (self.slo_ttft_ms is None or self.slo_tpot_ms is None):
-            raise ValueError("--planner-profile needs both targets, --slo-ttft-ms and --slo-tpot-ms: the planner serves to them")
-        if self.planner_profile is not None and self.planner_leader is not None:
-            raise ValueError("give --planner-profile (this router decides) or --planner-leader (it follows another), not both")
-        return self
+    @field_validator("planner_profile")
+    @classmethod
+    def _profile(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                profile_path(value)
+            except ProfileError as exc:
+                raise ValueError(str(exc)) from None
+        return value

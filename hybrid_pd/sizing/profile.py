@@ -54,10 +54,37 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from hybrid_pd.connector.plan import ModelShape, TransferPlan, plan_transfer
 
-__all__ = ["MAMBA_CACHE_MODES", "DecodeStep", "MambaCacheMode", "Profile", "ProfileError", "Profiles", "Transfer", "profile_set"]
+__all__ = [
+    "MAMBA_CACHE_MODES",
+    "SHIPPED",
+    "DecodeStep",
+    "MambaCacheMode",
+    "Profile",
+    "ProfileError",
+    "Profiles",
+    "Transfer",
+    "profile_path",
+    "profile_set",
+    "shipped_profiles",
+]
 
 MambaCacheMode = Literal["none", "align", "all"]  # vLLM's CacheConfig.mamba_cache_mode
 MAMBA_CACHE_MODES: tuple[str, ...] = get_args(MambaCacheMode)
+# Profiles measured by this project, shipped with it: a flag that takes a profile takes one of their names.
+SHIPPED = Path(__file__).resolve().parent / "profiles"
+
+
+def shipped_profiles() -> list[str]:
+    """The names of the shipped profiles (``profiles/NAME.json``)."""
+    return sorted(p.stem for p in SHIPPED.glob("*.json"))
+
+
+def profile_path(value: str) -> Path:
+    """A profile given as a shipped profile's name or a path; :class:`ProfileError` when neither exists."""
+    path = SHIPPED / f"{value}.json" if value in shipped_profiles() else Path(value)
+    if not path.is_file():
+        raise ProfileError(f"no profile {value!r}: give a hybrid-pd profile JSON (hybrid-pd profile) or one of {', '.join(shipped_profiles())}")
+    return path
 
 
 class ProfileError(ValueError):

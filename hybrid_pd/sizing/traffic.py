@@ -14,6 +14,10 @@ length, and the planner would size for a mix that is neither (on four H100s it s
 ``recent_s`` differ from the window's older ones by more than :data:`SHIFT` in median prompt or
 output length, the summary is of the last ``recent_s`` alone.
 
+Several routers in front of the same workers each see part of the traffic; the one that decides
+sizes for all of it: each shares its window as ages (:meth:`TrafficWindow.view`, lengths already
+corrected) and :meth:`TrafficWindow.merged` makes one window of them, the requests in flight summed.
+
 Kept with the simulator, which measures its simulated traffic with the same class
 (:mod:`hybrid_pd.sizing.planned`): the router and the simulation size by the same numbers. Pure:
 the caller gives the times (``time.perf_counter()`` on the router, simulated seconds in the
@@ -28,12 +32,20 @@ from dataclasses import dataclass, field
 
 from hybrid_pd.sizing.planner import Traffic, traffic_of
 
-__all__ = ["SHIFT", "TrafficWindow"]
+__all__ = ["SHIFT", "TrafficWindow", "WindowView"]
 
 # Weight of one request's counted/estimated ratio in the moving average: about the last 20 count.
 _RATIO_WEIGHT = 0.05
 # A median length this many times the older arrivals' (or a share of it) is a new phase of the traffic.
 SHIFT = 2.0
+
+
+@dataclass(frozen=True)
+class WindowView:
+    """One router's window as it shares it with its peers: times as seconds before now, lengths corrected by its ratios."""
+
+    arrived: tuple[tuple[float, int, int], ...]  # (seconds ago, prompt tokens, output tokens)
+    inflight: tuple[tuple[float, int], ...]  # (seconds ago, requests in flight from then on), oldest first
 
 
 @dataclass
@@ -64,14 +76,28 @@ class TrafficWindow:
             self.output_ratio += weight * (completion_tokens / max(1, max_tokens) - self.output_ratio)
             self._counted = True
 
+    def view(self, now: float) -> WindowView:
+        """The window as a peer merges it (:meth:`merged`)."""
+        self._forget(now - self.seconds)
+        arrived = tuple((now - when, round(p * self.prompt_ratio), round(o * self.output_ratio)) for when, p, o in self._arrived)
+        return WindowView(arrived, tuple((now - when, inflight) for when, inflight in self._changes))
+
+    @classmethod
+    def merged(cls, views: list[WindowView], seconds: float, recent_s: float, now: float) -> TrafficWindow:
+        """One window of several routers' views at ``now``: every arrival, and the requests in flight of all of them summed."""
+        window = cls(seconds, recent_s)
+        window._arrived.extend(sorted((now - age, p, o) for view in views for age, p, o in view.arrived))
+        levels = [0] * len(views)
+        for age, i, inflight in sorted(((age, i, n) for i, view in enumerate(views) for age, n in view.inflight), key=lambda c: -c[0]):
+            levels[i] = inflight
+            window._changes.append((now - age, sum(levels)))
+        return window
+
     def summary(self, now: float) -> Traffic | None:
         """The traffic to size for (lengths as 10th-90th percentiles of the arrivals, corrected): the window's, or the last
         ``recent_s``'s after a shift; None before any arrival in the window."""
         since = now - self.seconds
-        while self._arrived and self._arrived[0][0] < since:
-            self._arrived.popleft()
-        while len(self._changes) > 1 and self._changes[1][0] <= since:  # the change in force at ``since`` stays
-            self._changes.popleft()
+        self._forget(since)
         if not self._changes:
             return None
         # A router whose traffic began inside the window has seen only part of it: over the whole window, 128 requests in
@@ -83,6 +109,13 @@ class TrafficWindow:
             return None
         arrived = [(round(p * self.prompt_ratio), round(o * self.output_ratio)) for when, p, o in self._arrived if when >= start]
         return traffic_of(arrived, self._mean_inflight(start, now), now - start)
+
+    def _forget(self, since: float) -> None:
+        """Drop what happened before ``since``, but the requests in flight then (the change in force at ``since`` stays)."""
+        while self._arrived and self._arrived[0][0] < since:
+            self._arrived.popleft()
+        while len(self._changes) > 1 and self._changes[1][0] <= since:
+            self._changes.popleft()
 
     def _shifted(self, boundary: float) -> bool:
         """Whether the arrivals after ``boundary`` differ from those before it by :data:`SHIFT` in median prompt or output."""

@@ -111,7 +111,8 @@ def test_the_goodput_runner_measures_every_system_with_vllms_client(bench_dir, t
 
 
 class _Leader:
-    """A stand-in leader router: serves ``GET /planner`` with the roles the test sets, as a leading router serves its planner's."""
+    """A stand-in leading router: serves ``GET /planner/peer`` with the roles the test sets, as a router that decides (one up
+    longer than any other: its id sorts first) shares its planner's."""
 
     def __init__(self) -> None:
         self.roles: dict[str, str] = {}
@@ -119,7 +120,8 @@ class _Leader:
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 - http.server's name
-                body = json.dumps({"roles": leader.roles}).encode()
+                window = {"arrived": [], "inflight": []}
+                body = json.dumps({"id": "0", "decides": True, "roles": leader.roles, "window": window}).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
@@ -140,7 +142,7 @@ def test_roles_moved_under_load_lose_no_request_and_answer_like_colocated(bench_
     server's; both workers pulled state and both served requests whole."""
     _, urls = bench_dir
     leader, port = _Leader(), free_port()
-    argv = cli("router", "--port", str(port), "--flex", urls["flex0"], "--flex", urls["flex1"], "--planner-leader", leader.url,
+    argv = cli("router", "--port", str(port), "--flex", urls["flex0"], "--flex", urls["flex1"], "--planner-peer", leader.url,
                "--planner-interval-s", "0.2")  # fmt: skip
     proc = spawn(argv, log=tmp_path / "router.log")
     router = f"http://127.0.0.1:{port}"
