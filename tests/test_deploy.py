@@ -67,7 +67,9 @@ PROJECTS: dict[str, list[Path]] = {
 }
 COMPOSE_FILES = sorted({f for files in PROJECTS.values() for f in files})
 DOCKERFILES = sorted((dc.ROOT / "deploy").glob("*.Dockerfile"))
-WORKER_ROLES = ("prefill", "decode")
+# The worker roles and the vLLM kv_role each runs (flex: both, as the router says per request).
+KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", "flex": "kv_both"}
+WORKER_ROLES = tuple(KV_ROLES)
 
 
 def example_env() -> dict[str, str]:
@@ -224,7 +226,7 @@ def test_profiles_give_one_gpu_deployment_and_one_cpu_deployment():
         (profile,) = service["profiles"]
         by_profile.setdefault(profile, set()).add(name)
     assert by_profile == {
-        "gpu": {"model", "prefill", "decode", "router"},
+        "gpu": {"model", "flex0", "flex1", "router"},
         "cpu": {"prefill-cpu", "decode-cpu", "router-cpu"},
     }
     assert dc.read_dotenv(ENV_EXAMPLE)["COMPOSE_PROFILES"] == "gpu"
@@ -246,15 +248,16 @@ def test_service_command_runs_through_the_cli(dry_run, project: str, name: str):
     out = run_service(dry_run, p, name)
     role = p.role(name)
     if role == "router":
-        assert out["prefill"] == [v for f, v in dc.parse_flags(p.services[name]["command"][2:]) if f == "--prefill"]
-        assert out["decode"] == [v for f, v in dc.parse_flags(p.services[name]["command"][2:]) if f == "--decode"]
+        flags = dc.parse_flags(p.services[name]["command"][2:])
+        for pool in ("prefill", "decode", "flex"):
+            assert out[pool] == [v for f, v in flags if f == f"--{pool}"], pool
         assert out["port"] == int(p.flags(name)["--port"])
         assert len(out["api_keys"]) == len(json.loads(example_env()["API_KEYS"]))
         return
     argv = out["argv"]
     assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     kv = json.loads(argv[argv.index("--kv-transfer-config") + 1])
-    assert kv["kv_role"] == {"prefill": "kv_producer", "decode": "kv_consumer"}[role]
+    assert kv["kv_role"] == KV_ROLES[role]
     assert argv[argv.index("--port") + 1] == p.flags(name)["--port"]
 
 
@@ -268,13 +271,23 @@ def test_both_roles_get_the_ds_layout_and_their_own_side_channel_port(dry_run, p
         assert len(set(ports)) == len(ports), f"side-channel ports collide: {ports}"
 
 
-def test_every_deployment_has_a_prefill_and_a_decode_worker():
+def _prefills_and_decodes(roles: list[str | None]) -> bool:
+    """Workers of these roles can split a request: a prefill and a decode worker, or two flexible ones."""
+    return {"prefill", "decode"} <= set(roles) or roles.count("flex") >= 2
+
+
+def test_every_deployment_has_workers_that_can_both_prefill_and_decode():
+    assert not _prefills_and_decodes(["prefill", "flex"]) and _prefills_and_decodes(["flex", "flex"])
     workers = {load_project(p).role(n) for p in PROJECTS for n in load_project(p).workers()}
     assert workers == set(WORKER_ROLES)
     single = load_project("single-node")
-    for profile in ("gpu", "cpu"):
-        roles = sorted(single.role(n) for n in single.workers() if single.services[n]["profiles"] == [profile])
-        assert roles == ["decode", "prefill"]
+    expected = {"gpu": ["flex", "flex"], "cpu": ["decode", "prefill"]}
+    for profile, roles in expected.items():
+        found = sorted(single.role(n) for n in single.workers() if single.services[n]["profiles"] == [profile])
+        assert found == roles and _prefills_and_decodes(found), profile
+    # Several nodes: fixed roles, a prefill node and a decode node.
+    nodes = [load_project(p).role(n) for p in PROJECTS if p != "single-node" for n in load_project(p).workers()]
+    assert set(nodes) == {"prefill", "decode"} and _prefills_and_decodes(nodes)
 
 
 @pytest.mark.parametrize("project", [p for p in PROJECTS if load_project(p).workers()])
@@ -351,7 +364,7 @@ def test_gpu_workers_reserve_one_gpu_per_tensor_parallel_rank(dry_run, project: 
     for workers in p.deployments():
         reserved = [set(_gpu_ids(p.services[n])) for n in workers if p.flags(n)["--device"] == "cuda"]
         if len(reserved) == 2:
-            assert not reserved[0] & reserved[1], "by default prefill and decode get GPUs of their own"
+            assert not reserved[0] & reserved[1], "by default the two workers get GPUs of their own"
 
 
 def launch_flag(argv: list[str], flag: str) -> str | None:
@@ -410,11 +423,12 @@ def test_workers_get_the_memory_settings_nixl_and_ucx_need(project: str):
 
 
 def test_single_node_gpu_workers_share_ipc_and_pid_namespaces_for_cuda_ipc():
-    """UCX maps the prefill worker's GPU memory (cuda_ipc) only across a shared PID and IPC namespace."""
+    """UCX maps the other worker's GPU memory (cuda_ipc, either way between flexible workers) only across a shared PID
+    and IPC namespace."""
     p = load_project("single-node")
-    assert p.services["prefill"]["ipc"] == "shareable"
-    assert p.services["decode"]["ipc"] == p.services["decode"]["pid"] == "service:prefill"
-    assert p.services["decode"]["depends_on"]["prefill"]["restart"] is True
+    assert p.services["flex0"]["ipc"] == "shareable"
+    assert p.services["flex1"]["ipc"] == p.services["flex1"]["pid"] == "service:flex0"
+    assert p.services["flex1"]["depends_on"]["flex0"]["restart"] is True
 
 
 @pytest.mark.parametrize("project", ["prefill-node", "decode-node"])
@@ -443,7 +457,7 @@ def _router_targets(project: str) -> list[tuple[str, str, int]]:
     for name in p.services:
         if p.role(name) == "router":
             for flag, url in dc.parse_flags(p.services[name]["command"][2:]):
-                if flag in ("--prefill", "--decode"):
+                if flag in ("--prefill", "--decode", "--flex"):
                     parts = urlsplit(url)
                     targets.append((flag[2:], parts.hostname, parts.port))
     return targets
@@ -457,7 +471,7 @@ def test_router_worker_list_names_the_compose_services():
         for net in (service.get("networks") or {}).values():
             owner |= {alias: p.netns(name) for alias in (net or {}).get("aliases", [])}
     targets = _router_targets("single-node")
-    assert len(targets) == 4  # gpu and cpu routers, one prefill and one decode each
+    assert len(targets) == 4  # the gpu router's two flexible workers, the cpu router's prefill and decode
     for role, host, port in targets:
         listening = [n for n in p.workers() if p.netns(n) == owner.get(host) and p.flags(n)["--port"] == str(port)]
         assert [p.role(n) for n in listening] == [role], f"http://{host}:{port} is not a {role} worker"
@@ -483,6 +497,24 @@ def test_multi_node_workers_register_with_the_router_at_their_node_address(dry_r
             assert settings.admin_token == token
             roles.append(p.role(name))
     assert sorted(roles) == ["decode", "prefill"]
+
+
+@pytest.mark.parametrize(
+    ("planner", "expected"),
+    [
+        ({}, (None, None, None)),
+        ({"PLANNER_PROFILE": "nemotron-h-8b-h100", "SLO_TTFT_MS": "500", "SLO_TPOT_MS": "20"}, ("nemotron-h-8b-h100", 500.0, 20.0)),
+    ],
+    ids=["unset", "set"],
+)
+def test_gpu_router_takes_the_planner_settings_from_the_env_file(dry_run, planner: dict[str, str], expected: tuple):
+    """Empty in .env.example: unset (whole requests, no bound), not an empty profile name the router refuses."""
+    p = load_project("single-node", example_env() | planner)
+    out = run_service(dry_run, p, "router")
+    assert (out["planner_profile"], out["slo_ttft_ms"], out["slo_tpot_ms"]) == expected
+    assert len(out["flex"]) == 2, "the planner lays out flexible workers: two or more"
+    # A profile of your own: under MODEL_DIR, at /models in the router as in the workers.
+    assert _mounts(p.services["router"])["/models"] == _mounts(p.services["flex0"])["/models"]
 
 
 def test_router_waits_for_healthy_workers_and_is_the_only_published_port():

@@ -35,11 +35,13 @@ from tests.deploy_support import MASKED_ENV, RESOLVED_BY_THE_WORKER, container_e
 
 K8S = dc.ROOT / "deploy" / "k8s"
 # `kubectl kustomize deploy/k8s/<variant>`; "." is deploy/k8s itself (the GPU variant).
-VARIANTS = [".", "gpu", "gpu-rdma", "cpu"]
-GPU_VARIANTS = ["gpu", "gpu-rdma"]
+VARIANTS = [".", "gpu", "gpu-pd", "gpu-rdma", "cpu"]
+GPU_VARIANTS = ["gpu", "gpu-pd", "gpu-rdma"]
 # The oldest Kubernetes the manifests claim, and the newest the validator knows.
 K8S_VERSIONS = ["1.29.0", kubernetes_validate.latest_version()]
-WORKER_ROLES = ("prefill", "decode")
+# The worker roles and the vLLM kv_role each runs (flex: both, as the routers' planner says).
+KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", "flex": "kv_both"}
+WORKER_ROLES = tuple(KV_ROLES)
 # What a pod's IP looks like where $(POD_IP) is expanded (the kubelet's downward API).
 POD_IP = "10.244.1.7"
 # Flags a k8s worker has that `make demo`'s do not: it registers itself instead of being listed.
@@ -175,7 +177,7 @@ def test_variant_renders_and_every_object_validates_against_the_kubernetes_schem
 
 
 def test_the_validator_rejects_a_broken_object():
-    broken = json.loads(json.dumps(objects("gpu", "Deployment")["decode"]))
+    broken = json.loads(json.dumps(objects("gpu-pd", "Deployment")["decode"]))
     broken["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {"httpGet": {"path": "/health", "port": 8200}}
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(broken, K8S_VERSIONS[-1], strict=True)
@@ -185,10 +187,31 @@ def test_deploy_k8s_itself_is_the_gpu_variant():
     assert render(".") == render("gpu")
 
 
-def test_variants_have_a_router_and_both_worker_roles():
-    for variant in VARIANTS:
-        assert sorted(c.role for c in workers(variant)) == ["decode", "prefill"], variant
+def _replicas(c: Container) -> int:
+    return objects(c.variant, "Deployment")[c.deployment]["spec"]["replicas"]
+
+
+def test_variants_have_a_router_and_workers_that_can_both_prefill_and_decode():
+    """Fixed roles: a prefill and a decode Deployment; flexible workers: two pods or more, for the planner to split."""
+    expected = {".": ["flex"], "gpu": ["flex"], "gpu-rdma": ["flex"], "gpu-pd": ["decode", "prefill"], "cpu": ["decode", "prefill"]}
+    assert set(expected) == set(VARIANTS)
+    for variant, roles in expected.items():
+        assert sorted(c.role for c in workers(variant)) == roles, variant
+        assert all(_replicas(c) >= (2 if c.role == "flex" else 1) for c in workers(variant)), variant
         assert router(variant).deployment == "router"
+
+
+def test_flexible_workers_run_as_the_fixed_roles_do():
+    """gpu/flex.yaml is gpu-pd/prefill.yaml but for the role (names, labels, command) and the replicas: the same
+    arguments, ports, probes, resources and pod."""
+    (flex,) = workers("gpu")
+    (prefill,) = [c for c in workers("gpu-pd") if c.role == "prefill"]
+
+    def masked(c: Container) -> tuple[dict[str, Any], dict[str, Any]]:
+        return {k: v for k, v in c.spec.items() if k not in ("name", "command")}, {k: v for k, v in c.pod.items() if k != "containers"}
+
+    assert masked(flex) == masked(prefill)
+    assert (flex.spec["name"], flex.spec["command"]) == ("flex", ["hybrid-pd", "flex"])
 
 
 # ---------------------------------------------------------------- ports, Services, probes
@@ -297,6 +320,46 @@ def test_workers_advertise_their_pod_ip(variant: str):
             assert flags["--side-channel-host"] == "$(POD_IP)"
 
 
+# ---------------------------------------------------------------- the routers' planner
+
+
+def _planned(variant: str) -> bool:
+    return any(c.role == "flex" for c in workers(variant))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_routers_in_front_of_flexible_workers_agree_through_router_admin(dry_run, variant: str):  # noqa: F811
+    """Each router asks every router pod (a headless Service: one address each) and the one up longest decides."""
+    routed = router(variant)
+    peers = run_in_container(dry_run, routed)["planner_peers"]
+    if not _planned(variant):
+        assert peers == [], "no flexible worker: nothing to plan"
+        return
+    assert objects(variant, "Deployment")["router"]["spec"]["replicas"] >= 2
+    (url,) = map(urlsplit, peers)
+    service = objects(variant, "Service")[url.hostname]
+    assert service["spec"]["clusterIP"] == "None" and pods_selected(variant, service["spec"]["selector"]) == ["router"]
+    # Headless: each address is a router pod, asked at the URL's port itself, where the router listens.
+    assert url.port == int(routed.flags()["--port"]) and url.port in [p["port"] for p in service["spec"]["ports"]]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_planner_profile_and_targets_come_from_a_config_map_empty_by_default(dry_run, variant: str):  # noqa: F811
+    """Empty: the flexible workers serve whole requests (no profile, no bound); the ConfigMap's values reach the router."""
+    routed = router(variant)
+    if not _planned(variant):
+        assert "envFrom" not in routed.spec
+        return
+    (source,) = routed.spec["envFrom"]
+    data = objects(variant, "ConfigMap")[source["configMapRef"]["name"]]["data"]
+    keys = ("HYBRID_PD_ROUTER_PLANNER_PROFILE", "HYBRID_PD_ROUTER_SLO_TTFT_MS", "HYBRID_PD_ROUTER_SLO_TPOT_MS")
+    assert data == dict.fromkeys(keys, "")
+    out = run_in_container(dry_run, routed)
+    assert (out["planner_profile"], out["slo_ttft_ms"], out["slo_tpot_ms"]) == (None, None, None)
+    out = run_in_container(dry_run, routed, dict(zip(keys, ("nemotron-h-8b-h100", "500", "20"))))
+    assert (out["planner_profile"], out["slo_ttft_ms"], out["slo_tpot_ms"]) == ("nemotron-h-8b-h100", 500.0, 20.0)
+
+
 # ---------------------------------------------------------------- every command runs through the CLI
 
 
@@ -307,7 +370,7 @@ def test_every_command_runs_through_the_cli(dry_run, variant: str):  # noqa: F81
         argv, env = out["argv"], out["env"]
         assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
         kv = json.loads(argv[argv.index("--kv-transfer-config") + 1])
-        assert kv["kv_role"] == {"prefill": "kv_producer", "decode": "kv_consumer"}[c.role]
+        assert kv["kv_role"] == KV_ROLES[c.role]
         http = [p for p in c.spec["ports"] if p["name"].endswith("http")]
         nixl = [p for p in c.spec["ports"] if p["name"].endswith("nixl")]
         assert argv[argv.index("--port") + 1] == str(http[0]["containerPort"])
@@ -316,15 +379,16 @@ def test_every_command_runs_through_the_cli(dry_run, variant: str):  # noqa: F81
         assert env["VLLM_SSM_CONV_STATE_LAYOUT"] == "DS"
     routed = run_in_container(dry_run, router(variant))
     assert routed["port"] == router(variant).port("http") and routed["host"] == "0.0.0.0"
-    assert routed["admin_token"] == "***" and routed["prefill"] == routed["decode"] == []
+    assert routed["admin_token"] == "***" and routed["prefill"] == routed["decode"] == routed["flex"] == []
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_side_channel_ports_are_distinct_where_workers_can_share_an_address(dry_run, variant: str):  # noqa: F811
-    """One pod (cpu) or one node's network (gpu-rdma): the roles must not collide."""
+    """One pod (cpu) or one node's network (gpu-rdma; a Deployment's pods never share a node there: host ports): the
+    roles must not collide."""
     ports = [run_in_container(dry_run, c)["env"]["VLLM_NIXL_SIDE_CHANNEL_PORT"] for c in workers(variant)]
     http = [c.flags()["--port"] for c in workers(variant)]
-    assert len(set(ports)) == len(set(http)) == 2
+    assert len(set(ports)) == len(set(http)) == len(workers(variant))
 
 
 # ---------------------------------------------------------------- GPUs, RDMA, images, lifecycle
@@ -353,7 +417,7 @@ def test_rdma_variant_uses_the_node_network_rdma_devices_and_reaches_vllm(dry_ru
         assert c.env()["HYBRID_PD_WORKER_UCX_NET_DEVICES"] == ""
         out = run_in_container(dry_run, c, {"HYBRID_PD_WORKER_UCX_NET_DEVICES": "mlx5_0:1"})
         assert out["env"]["UCX_NET_DEVICES"] == "mlx5_0:1"
-    for c in workers("gpu"):
+    for c in workers("gpu") + workers("gpu-pd"):
         assert not c.pod.get("hostNetwork")
 
 

@@ -1,4 +1,4 @@
-"""deploy/k8s/autoscale/keda.yaml scales the gpu variant's Deployments on names a fresh router exports."""
+"""deploy/k8s/autoscale/keda.yaml scales the gpu-pd variant's Deployments on names a fresh router exports."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ async def test_every_query_names_series_a_fresh_router_exports(client):
 def test_each_pool_scales_its_own_deployment_with_numeric_thresholds():
     objects = _scaled_objects()
     assert {so["kind"] for so in objects} == {"ScaledObject"}
-    assert {so["spec"]["scaleTargetRef"]["name"] for so in objects} == {"prefill", "decode"} <= _deployments("gpu")
+    assert {so["spec"]["scaleTargetRef"]["name"] for so in objects} == {"prefill", "decode"} <= _deployments("gpu-pd")
     for so in objects:
         assert 1 <= so["spec"]["minReplicaCount"] <= so["spec"]["maxReplicaCount"]
         for trigger in so["spec"]["triggers"]:

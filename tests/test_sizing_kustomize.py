@@ -1,5 +1,6 @@
-"""``hybrid-pd size --emit-kustomize``: the picked layout as an overlay over deploy/k8s/gpu, rendered by ``kubectl kustomize``
-(or, without a kubectl >= 1.21, read as YAML), with each worker's command run through the CLI's parser."""
+"""``hybrid-pd size --emit-kustomize``: the picked layout as an overlay over deploy/k8s/gpu-pd (xPyD) or deploy/k8s/gpu
+(flexible workers), rendered by ``kubectl kustomize`` (or, without a kubectl >= 1.21, read as YAML), with each worker's
+command run through the CLI's parser."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import yaml
 
 from hybrid_pd.cli import build_parser, main
-from hybrid_pd.sizing.kustomize import DEFAULT_BASE, counts, write_overlay
+from hybrid_pd.sizing.kustomize import BASES, counts, write_overlay
 from hybrid_pd.sizing.layouts import Layout
 from hybrid_pd.sizing.simulate import Prediction
 from tests.sizing_support import tiny_profile
@@ -34,17 +35,18 @@ def _kubectl_ok() -> bool:
 
 
 def rendered(directory: Path) -> dict[str, dict]:
-    """The overlay's Deployments by name: as kubectl renders them, or (no kubectl >= 1.21) the base's with the overlay's counts and patch applied by hand."""
+    """The overlay's worker Deployments by name: as kubectl renders them, or (no kubectl >= 1.21) the base's
+    (``<name>.yaml`` beside its kustomization) with the overlay's counts and patches applied by hand."""
     if _kubectl_ok():
         out = subprocess.run(["kubectl", "kustomize", str(directory)], capture_output=True, text=True, timeout=120, check=True).stdout
-        return {d["metadata"]["name"]: d for d in yaml.safe_load_all(out) if d and d["kind"] == "Deployment"}
+        return {d["metadata"]["name"]: d for d in yaml.safe_load_all(out) if d and d["kind"] == "Deployment" and d["metadata"]["name"] != "router"}
     overlay = yaml.safe_load((directory / "kustomization.yaml").read_text())
     (base,) = overlay["resources"]
     docs = {}
-    for name in ("prefill", "decode"):
-        d = yaml.safe_load(((directory / base).resolve() / f"{name}.yaml").read_text())
-        d["spec"]["replicas"] = next(r["count"] for r in overlay["replicas"] if r["name"] == name)
-        docs[name] = d
+    for replicas in overlay["replicas"]:
+        d = yaml.safe_load(((directory / base).resolve() / f"{replicas['name']}.yaml").read_text())
+        d["spec"]["replicas"] = replicas["count"]
+        docs[replicas["name"]] = d
     for patch in overlay.get("patches", []):
         for op in yaml.safe_load(patch["patch"]):  # JSON patch: "replace" a key, "add" to the end of a list ("-")
             *parents, last = [part.replace("~1", "/") for part in op["path"].split("/")[1:]]
@@ -66,21 +68,34 @@ def _parses(container: dict) -> str:
     return build_parser().parse_args(command[1:]).command
 
 
-def test_an_xpyd_layout_sets_the_prefill_and_decode_replicas(tmp_path):
-    write_overlay(_prediction("pd", 2, 6), DEFAULT_BASE, tmp_path / "overlay", "a test")
+def _replicas(deployments: dict[str, dict]) -> dict[str, int]:
+    return {name: d["spec"]["replicas"] for name, d in deployments.items()}
+
+
+def test_an_xpyd_layout_sets_the_prefill_and_decode_replicas_of_the_fixed_roles(tmp_path):
+    write_overlay(_prediction("pd", 2, 6), None, tmp_path / "overlay", "a test")
+    assert "gpu-pd" in (tmp_path / "overlay" / "kustomization.yaml").read_text()
     deployments = rendered(tmp_path / "overlay")
-    assert (deployments["prefill"]["spec"]["replicas"], deployments["decode"]["spec"]["replicas"]) == (2, 6)
+    assert _replicas(deployments) == {"prefill": 2, "decode": 6}
     assert [_parses(deployments[n]["spec"]["template"]["spec"]["containers"][0]) for n in ("prefill", "decode")] == ["prefill", "decode"]
 
 
 @pytest.mark.parametrize("kind", ["flex", "replicas"])
-def test_whole_request_layouts_run_flexible_workers_as_the_decode_deployment(tmp_path, kind):
-    write_overlay(_prediction(kind, 0, 16), DEFAULT_BASE, tmp_path / "overlay", "a test")
+def test_whole_request_layouts_scale_the_flexible_workers(tmp_path, kind):
+    write_overlay(_prediction(kind, 0, 16), None, tmp_path / "overlay", "a test")
     deployments = rendered(tmp_path / "overlay")
-    assert (deployments["prefill"]["spec"]["replicas"], deployments["decode"]["spec"]["replicas"]) == (0, 16)
-    container = deployments["decode"]["spec"]["template"]["spec"]["containers"][0]
-    assert _parses(container) == "flex" and "--port=8200" in container["args"]
+    assert _replicas(deployments) == {"flex": 16}, "no prefill or decode pod"
+    assert _parses(deployments["flex"]["spec"]["template"]["spec"]["containers"][0]) == "flex"
     assert counts(_prediction(kind, 0, 16)) == {"prefill": 0, "decode": 0, "flex": 16}
+
+
+def test_another_base_is_named_as_given(tmp_path):
+    """--k8s-base: e.g. gpu-rdma, an overlay of gpu, for flexible workers on RDMA."""
+    write_overlay(_prediction("flex", 0, 4), BASES["flex"].parent / "gpu-rdma", tmp_path / "overlay", "a test")
+    assert "/gpu-rdma\n" in (tmp_path / "overlay" / "kustomization.yaml").read_text()
+    if _kubectl_ok():  # the hand-made rendering reads a base's own files, not an overlay's
+        deployments = rendered(tmp_path / "overlay")
+        assert _replicas(deployments) == {"flex": 4} and deployments["flex"]["spec"]["template"]["spec"]["hostNetwork"] is True
 
 
 def _tp(deployment: dict) -> tuple[int, str]:
@@ -91,13 +106,13 @@ def _tp(deployment: dict) -> tuple[int, str]:
 
 
 def test_workers_of_several_gpus_ask_for_them_and_run_tensor_parallel(tmp_path):
-    write_overlay(_prediction("pd", 1, 2, prefill_tp=2, decode_tp=1), DEFAULT_BASE, tmp_path / "pd", "a test")
+    write_overlay(_prediction("pd", 1, 2, prefill_tp=2, decode_tp=1), None, tmp_path / "pd", "a test")
     deployments = rendered(tmp_path / "pd")
     assert (_tp(deployments["prefill"]), _tp(deployments["decode"])) == ((2, "2"), (1, "1"))
     assert (deployments["prefill"]["spec"]["replicas"], deployments["decode"]["spec"]["replicas"]) == (1, 2)
-    write_overlay(_prediction("flex", 0, 3, decode_tp=4), DEFAULT_BASE, tmp_path / "flex", "a test")
+    write_overlay(_prediction("flex", 0, 3, decode_tp=4), None, tmp_path / "flex", "a test")
     deployments = rendered(tmp_path / "flex")
-    assert _tp(deployments["decode"]) == (4, "4") and _parses(deployments["decode"]["spec"]["template"]["spec"]["containers"][0]) == "flex"
+    assert _tp(deployments["flex"]) == (4, "4") and _replicas(deployments) == {"flex": 3}
     assert "1P(TP2)2D(TP1) on 4 GPUs" in (tmp_path / "pd" / "kustomization.yaml").read_text()
 
 
@@ -109,8 +124,8 @@ def test_size_writes_the_overlay_of_the_best_layout(tmp_path, capsys):
     picked = json.loads((tmp_path / "size.json").read_text())["best"]["3"]
     (p,) = [p for p in json.loads((tmp_path / "size.json").read_text())["predictions"] if p["layout"] == picked]
     deployments = rendered(tmp_path / "k8s")
-    want = (p["prefill"], p["decode"]) if p["kind"] == "pd" else (0, p["decode"])
-    assert (deployments["prefill"]["spec"]["replicas"], deployments["decode"]["spec"]["replicas"]) == want
+    want = {"prefill": p["prefill"], "decode": p["decode"]} if p["kind"] == "pd" else {"flex": p["decode"]}
+    assert _replicas(deployments) == want
     assert f"wrote {tmp_path / 'k8s' / 'kustomization.yaml'}" in capsys.readouterr().out
 
 

@@ -94,7 +94,7 @@ def add_size_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
         help="write a kustomize overlay over --k8s-base with the best layout's prefill/decode/flex replicas (one GPU count)",
     )  # fmt: skip
     size.add_argument(
-        "--k8s-base", type=Path, metavar="DIR", help="the deploy/k8s variant the overlay names (default: this checkout's deploy/k8s/gpu)"
+        "--k8s-base", type=Path, metavar="DIR", help="the deploy/k8s variant the overlay names (default: this checkout's deploy/k8s/gpu-pd for a split, deploy/k8s/gpu for flexible workers)"
     )
     return size
 
@@ -147,12 +147,12 @@ def run_size(args: argparse.Namespace) -> int:
         title = f"{first.model} on {first.device}\n{workload.input_len}/{workload.output_len} tokens, {workload.load}, SLO {slo} ms"
         plot_goodput(predictions, title, args.plot)
     if args.emit_kustomize is not None:
-        from hybrid_pd.sizing.kustomize import DEFAULT_BASE, counts, write_overlay
+        from hybrid_pd.sizing.kustomize import counts, write_overlay
 
         (picked,) = best(predictions).values()
         why = f"{workload.input_len}/{workload.output_len} tokens, {workload.load}, SLO TTFT {slo.ttft_ms:g} ms / TPOT {slo.tpot_ms:g} ms"
         try:
-            path = write_overlay(picked, args.k8s_base or DEFAULT_BASE, args.emit_kustomize, why)
+            path = write_overlay(picked, args.k8s_base, args.emit_kustomize, why)
         except ValueError as exc:
             return _usage(f"--k8s-base: {exc}")
         n = counts(picked)
