@@ -5,6 +5,9 @@
   (deploy/router.Dockerfile), so a router module that imported any of these would work here,
   where everything is installed, and fail there. Each router module is imported in a fresh
   interpreter in which they cannot be found.
+- Shared code (``hybrid_pd.common``) imports nothing of the project outside it: the services
+  build on it, not it on them (the configuration reference, which reads every service's
+  settings, sits beside the CLI).
 - The connector's rules (what the worker service runs) import nothing of vLLM at module level
   and nothing of the hooks vLLM loads; the hooks import of the rules' side only the contract
   both share and the trace: neither side depends on the other.
@@ -89,3 +92,21 @@ def test_the_blocker_blocks():
     assert done.returncode != 0 and "not installed in this image" in done.stderr
     done = _import_all(["hybrid_pd.connector.launch"], ("hybrid_pd.connector.plan",))
     assert done.returncode != 0 and "not installed in this image" in done.stderr
+
+
+def _project_imports(path: Path) -> set[str]:
+    """The ``hybrid_pd`` modules ``path`` imports, at any depth of its code."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+    return {n for n in names if n == "hybrid_pd" or n.startswith("hybrid_pd.")}
+
+
+def test_shared_code_imports_only_shared_code():
+    common = Path(hybrid_pd.connector.__file__).parent.parent / "common"
+    reaching_up = {p.name: sorted(i for i in _project_imports(p) if not i.startswith("hybrid_pd.common")) for p in common.glob("*.py")}
+    assert {name: up for name, up in reaching_up.items() if up} == {}
+    assert len(reaching_up) > 5  # the package was found

@@ -2,13 +2,13 @@
 
 from pathlib import Path
 
-from hybrid_pd.common.config_doc import render
+from hybrid_pd.config_doc import render
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 
 
 def test_the_configuration_reference_matches_the_settings_models():
-    assert DOC.read_text() == render(), "docs/configuration.md is stale: python -m hybrid_pd.common.config_doc > docs/configuration.md"
+    assert DOC.read_text() == render(), "docs/configuration.md is stale: python -m hybrid_pd.config_doc > docs/configuration.md"
 
 
 def test_every_setting_has_a_row_and_a_meaning():

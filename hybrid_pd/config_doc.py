@@ -2,8 +2,10 @@
 
 The settings are declared once (:mod:`hybrid_pd.router.settings`, :mod:`hybrid_pd.worker.settings`,
 ``hybrid-pd up``'s parser); their flags are derived from them (:mod:`hybrid_pd.common.cli_flags`),
-and so is this reference. ``python -m hybrid_pd.common.config_doc > docs/configuration.md``
-rewrites it; ``tests/test_config_doc.py`` fails when the file and the models drift apart.
+and so is this reference. ``python -m hybrid_pd.config_doc > docs/configuration.md``
+rewrites it; ``tests/test_config_doc.py`` fails when the file and the models drift apart. It sits
+beside the CLI, not in ``common``: it reads every service's settings and the CLI's parser, which
+shared code must not import.
 """
 
 from __future__ import annotations
@@ -15,13 +17,17 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
+from hybrid_pd.cli import build_parser
 from hybrid_pd.common.cli_flags import flag_name
+from hybrid_pd.router.settings import RouterSettings
+from hybrid_pd.worker import ROLES
+from hybrid_pd.worker.settings import WorkerSettings
 
 __all__ = ["render"]
 
 _INTRO = """# Configuration reference
 
-<!-- Written by `python -m hybrid_pd.common.config_doc > docs/configuration.md`; edit the settings models, not this file. -->
+<!-- Written by `python -m hybrid_pd.config_doc > docs/configuration.md`; edit the settings models, not this file. -->
 
 Every service reads its settings from the environment and lets command-line flags override them.
 Lists in the environment are JSON (`HYBRID_PD_ROUTER_DECODE='["http://d0:8200", "http://d1:8200"]'`).
@@ -71,11 +77,6 @@ def parser_table(parser: argparse.ArgumentParser) -> str:
 
 
 def render() -> str:
-    from hybrid_pd.cli import build_parser
-    from hybrid_pd.router.settings import RouterSettings
-    from hybrid_pd.worker import ROLES
-    from hybrid_pd.worker.settings import WorkerSettings
-
     (commands,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
     sections = [
         _INTRO,
