@@ -87,6 +87,24 @@ async def test_in_the_planners_roles_one_flex_worker_prefills_and_the_other_pull
     assert shown["layout"] == "1P1D" and shown["roles"] == {FLEX_A: "decode", FLEX_B: "prefill"}
 
 
+async def test_under_a_split_prompts_shorter_than_the_planners_bound_go_whole_to_any_worker():
+    """Roles sized for long prompts (whole_below: 500 tokens): a long prompt is split as the roles say; short ones are served
+    whole, on the prefiller too (the decoder is busier), not all decoded by the decoder."""
+    workers = FlexWorkers()
+    async with _router(workers) as (client, state):
+        state.planner.apply({FLEX_A: "decode", FLEX_B: "prefill"}, "test", whole_below=500)
+        state.registry.by_url(FLEX_A).load.decodes = 5
+        long = await client.post("/v1/completions", json={"model": "m", "prompt": "x" * 4000, "max_tokens": 3})
+        split = list(workers.calls)
+        workers.calls.clear()
+        short = await asyncio.gather(*(client.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 3}) for _ in range(2)))
+        shown = (await client.get("/planner")).json()
+    assert long.status_code == 200 and [host for host, _ in split] == ["flex-b.test", "flex-a.test"]  # B prefilled, A decoded
+    assert [r.status_code for r in short] == [200, 200] and not [b for _, b in workers.calls if "kv_transfer_params" in b]
+    assert "flex-b.test" in {host for host, _ in workers.calls}  # the prefiller served a short one whole
+    assert shown["whole_below"] == 500
+
+
 async def test_the_planner_moves_roles_from_the_traffic_it_measured(tmp_path):
     """1000/512-token requests, 128 in flight, on four flexible workers under 500/20 ms: the simulator puts 1P3D first
     (docs/sizing.md), and the planner gives one worker, the one decoding fewest, the prefills."""

@@ -12,7 +12,8 @@ error: the decode worker prefills locally.
 Flexible workers take the roles the planner gives them (:mod:`hybrid_pd.router.planner`,
 ``roles`` by worker URL): one that prefills is left out of the decode candidates (unless no
 other is left), one that decodes gets its prompts from those that prefill, and one with no
-role serves whole requests.
+role serves whole requests. A prompt shorter than the planner's ``whole_below`` is served whole
+by any of them (:attr:`hybrid_pd.sizing.planner.Decision.whole_below` says why).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class Pairing:
         self._decode_policy = decode_policy
         self._prefill_policy = prefill_policy
         self.roles: dict[str, Role] = {}  # flexible workers' roles by URL, the planner's; none: whole requests
+        self.whole_below = 0  # prompt tokens (estimated): shorter requests go whole to any flexible worker, the planner's
         self._min_tokens = min_tokens
         self._limit = per_worker_limit
 
@@ -64,13 +66,15 @@ class Pairing:
         under_limit = self._under_limit(available)
         if not under_limit:
             raise OpenAIError(429, "every decode worker is at its concurrency limit")
-        decoders = [w for w in under_limit if self.roles.get(w.url) != "prefill"] or under_limit
-        return self._decode_policy.choose(decoders, request)
+        if request.est_tokens >= self.whole_below:
+            under_limit = [w for w in under_limit if self.roles.get(w.url) != "prefill"] or under_limit
+        return self._decode_policy.choose(under_limit, request)
 
     def prefill(self, decode: Worker, request: RequestInfo) -> PrefillChoice:
         """The prefill worker for ``request`` to be decoded on ``decode``, or why it is prefilled there."""
         candidates = {w.id: w for w in self._under_limit(compatible_prefills(self._registry, decode))}
-        prefillers = {w.id for w in candidates.values() if self.roles.get(w.url) == "prefill"} if self.roles.get(decode.url) == "decode" else ()
+        planned = self.roles.get(decode.url) == "decode" and request.est_tokens >= self.whole_below
+        prefillers = {w.id for w in candidates.values() if self.roles.get(w.url) == "prefill"} if planned else ()
         decision = decide(request.est_tokens, decode.role == "flex", list(candidates), self._min_tokens, prefillers)
         if not decision.split:
             if decision.reason == "no_prefill_worker":

@@ -124,9 +124,11 @@ class Planner:
             return
         leader = min(deciding, key=lambda p: p["id"])
         self.leader = leader["id"]
-        roles = leader.get("roles")
+        roles, whole_below = leader.get("roles"), leader.get("whole_below", 0)
         if isinstance(roles, dict) and roles != self.pairing.roles:
-            self.apply({str(url): role for url, role in roles.items() if role in ROLES}, f"from the leader {leader['id']}")
+            self.apply({str(url): role for url, role in roles.items() if role in ROLES}, f"from the leader {leader['id']}", whole_below)
+        elif isinstance(whole_below, int):
+            self.pairing.whole_below = whole_below
 
     async def _peers(self, upstream: Upstream) -> list[dict[str, Any]]:
         """What every peer router that answers shares (:meth:`peer`); each name of ``--planner-peer`` asked at every address."""
@@ -158,17 +160,21 @@ class Planner:
             self.metrics.planner_predicted.labels(str(p.prefill)).set(p.goodput_per_gpu)
         if decision.moves and workers == self.flex():  # the workers did not change while it simulated
             decodes = {w.url: w.load.decodes for w in self.registry.role("flex")}
-            self.apply(assign(decision.layout, workers, self.pairing.roles, decodes), decision.why)
+            self.apply(assign(decision.layout, workers, self.pairing.roles, decodes), decision.why, decision.whole_below)
+        elif not decision.moves:
+            self.pairing.whole_below = decision.whole_below
 
-    def apply(self, roles: dict[str, Role], why: str) -> None:
-        """Give the flexible workers ``roles`` (by URL; a worker not named serves whole requests); counted and logged."""
+    def apply(self, roles: dict[str, Role], why: str, whole_below: int = 0) -> None:
+        """Give the flexible workers ``roles`` (by URL; a worker not named serves whole requests), and shorter prompts than
+        ``whole_below`` to any of them; counted and logged."""
         before = layout_of(self.pairing.roles, self.flex())
         self.pairing.roles = dict(roles)
+        self.pairing.whole_below = whole_below if isinstance(whole_below, int) else 0
         after = layout_of(roles, self.flex())
         self.moves += 1
         self.metrics.planner_moves.inc()
         self.metrics.planner_prefillers.set(after.prefill)
-        log.info("planner roles %s", kv(before=before.name, after=after.name, roles=roles, why=why))
+        log.info("planner roles %s", kv(before=before.name, after=after.name, roles=roles, whole_below=whole_below, why=why))
 
     def snapshot(self) -> dict[str, Any]:
         """What ``GET /planner`` shows: the roles by worker URL, the layout, and the last decision's predictions."""
@@ -179,6 +185,7 @@ class Planner:
             "leader": self.leader,
             "layout": layout_of(self.pairing.roles, workers).name,
             "roles": {w: self.pairing.roles.get(w, "whole") for w in workers},
+            "whole_below": self.pairing.whole_below,
             "moves": self.moves,
         }
         if self.decision is not None:
@@ -196,6 +203,7 @@ class Planner:
             "id": self.id,
             "decides": self.decides,
             "roles": dict(self.pairing.roles),
+            "whole_below": self.pairing.whole_below,
             "window": {"arrived": [[round(a, 3), p, o] for a, p, o in view.arrived], "inflight": [[round(a, 3), n] for a, n in view.inflight]},
         }
 

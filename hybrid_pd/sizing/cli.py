@@ -16,7 +16,7 @@ from pathlib import Path
 
 from hybrid_pd.common import checks
 from hybrid_pd.common.arg_types import at_least, checked
-from hybrid_pd.sizing.profile import Profile, ProfileError, profile_set
+from hybrid_pd.sizing.profile import Profile, ProfileError, profile_path, profile_set
 from hybrid_pd.sizing.workload import Lengths
 
 __all__ = ["add_size_parser", "run_size"]
@@ -24,7 +24,7 @@ __all__ = ["add_size_parser", "run_size"]
 
 def _profile(text: str) -> Profile:
     try:
-        return Profile.load(Path(text))
+        return Profile.load(profile_path(text))
     except ProfileError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -58,7 +58,7 @@ def add_size_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
     positive, output = checked(float, checks.positive), checked(Path, checks.output_file)
     size.add_argument(
         "--profile", type=_profile, action="append", required=True, metavar="PROFILE.json",
-        help="the model's profile on one worker (hybrid-pd profile); again for workers of other tensor-parallel sizes: layouts then "
+        help="the model's profile on one worker (hybrid-pd profile, or a shipped one's name: nemotron-h-8b-h100, tiny-cpu); again for workers of other tensor-parallel sizes: layouts then "
         "mix the sizes where the router pairs them",
     )  # fmt: skip
     size.add_argument("--gpus", type=_gpu_counts, required=True, metavar="N[,N...]", help="GPU counts to lay out, e.g. 2,4,8")

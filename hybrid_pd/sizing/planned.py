@@ -67,6 +67,7 @@ def simulate_planner(
         if traffic is None or traffic.requests < 2 * workers:
             return None
         decision: Decision = decide(profile, traffic, slo, workers, layout, margin)
+        sim.whole_below = decision.whole_below
         if not decision.moves:
             return None
         layout = decision.layout

@@ -11,6 +11,13 @@ above ``margin`` of the current layout's goodput and above the spread between th
 either layout. Where no layout meets the SLOs at all (goodput 0 everywhere) throughput decides,
 with the same margin.
 
+Under a split, a request whose prompt is :data:`SHORT` times shorter than the shortest tenth of the
+traffic the layout was sized for is served whole by any worker (:attr:`Decision.whole_below`):
+its prefill is small, and a split would put its decode on the few decoders of a layout sized for
+long prompts. When chat follows long documents, its first requests arrive under 3P1D, before the
+planner has seen them; split, all of them decode on the one decoder (simulated on four H100s:
+chat -> documents -> chat at 4000/15 ms, the planner 0.92x the replicas' goodput for this alone).
+
 Closed loop: the simulated clients keep the traffic's mean number of requests in flight, as
 ``vllm bench serve --max-concurrency`` does; the lengths are uniform over the traffic's 10th to
 90th percentiles. Predictions are memoized on the traffic rounded to what the simulator can
@@ -32,12 +39,14 @@ from hybrid_pd.sizing.profile import Profile
 from hybrid_pd.sizing.simulate import SLO, Prediction, predict
 from hybrid_pd.sizing.workload import Lengths, Workload
 
-__all__ = ["ROLES", "Decision", "Role", "Traffic", "assign", "candidates", "decide", "traffic_of", "workload_of"]
+__all__ = ["ROLES", "SHORT", "Decision", "Role", "Traffic", "assign", "candidates", "decide", "traffic_of", "whole_below", "workload_of"]
 
 # A flexible worker's role: it prefills for the decoders, decodes what the prefillers hand it, or serves whole requests.
 Role = Literal["prefill", "decode", "whole"]
 ROLES: tuple[str, ...] = get_args(Role)
 
+# Under a split, prompts this many times shorter than the sized traffic's 10th percentile are served whole.
+SHORT = 2.0
 # Seeds each candidate is simulated on: their spread is the noise a move must beat.
 SEEDS = (0, 1)
 # Requests each simulation sends: five waves of the load, at least this many and at most the upper bound.
@@ -81,6 +90,7 @@ class Decision:
     predictions: tuple[Prediction, ...]  # one per candidate, goodput and throughput the mean of the seeds
     noise: float  # the largest relative spread between seeds of the two layouts compared
     why: str
+    whole_below: int = 0  # prompt tokens: shorter requests are served whole under ``layout`` (:func:`whole_below`)
 
     @property
     def moves(self) -> bool:
@@ -90,6 +100,11 @@ class Decision:
 def candidates(workers: int) -> list[Layout]:
     """Every layout of ``workers`` flexible workers of one GPU each: all whole, then 1P(N-1)D ... (N-1)P1D."""
     return [Layout("flex", 0, workers)] + [Layout("pd", x, workers - x) for x in range(1, workers)]
+
+
+def whole_below(layout: Layout, traffic: Traffic) -> int:
+    """The prompt tokens below which a request is served whole under ``layout``, sized for ``traffic``: 0 without a split."""
+    return int(traffic.prompt.low / SHORT) if layout.kind == "pd" else 0
 
 
 def workload_of(traffic: Traffic, seed: int) -> Workload:
@@ -113,15 +128,15 @@ def decide(profile: Profile, traffic: Traffic, slo: SLO, workers: int, current: 
     best = max(layouts, key=lambda layout: (score(mean[layout]), layout == current, -layout.prefill))
     predictions = tuple(mean[layout] for layout in layouts)
     if best == current:
-        return Decision(current, current, predictions, 0.0, f"{current.name} predicted best by {metric}")
+        return Decision(current, current, predictions, 0.0, f"{current.name} predicted best by {metric}", whole_below(current, traffic))
     noise = max(_spread(runs[best], score), _spread(runs[current], score))
     now, then = score(mean[current]), score(mean[best])
     gain = (then - now) / now if now > 0 else math.inf
     if gain <= margin or gain <= noise:
         why = f"stay on {current.name}: {best.name} predicted {gain:+.0%} {metric}, within the margin ({margin:.0%}) or the noise ({noise:.0%})"
-        return Decision(current, current, predictions, noise, why)
+        return Decision(current, current, predictions, noise, why, whole_below(current, traffic))
     why = f"{current.name} -> {best.name}: predicted {now:.3g} -> {then:.3g} {metric} ({gain:+.0%}; noise {noise:.0%})"
-    return Decision(best, current, predictions, noise, why)
+    return Decision(best, current, predictions, noise, why, whole_below(best, traffic))
 
 
 def _spread(runs: Sequence[Prediction], score) -> float:  # noqa: ANN001 - the score of decide

@@ -283,6 +283,7 @@ class _Simulation:
         self.engines = [Engine(prefill) for _ in range(split)] + [Engine(decode) for _ in range(layout.decode)]
         self.loads = [_Load() for _ in self.engines]
         self.prefillers, self.decoders = list(range(split)), list(range(split, len(self.engines)))
+        self.whole_below = 0  # under a split, shorter prompts go whole to any worker (the planner's Decision.whole_below)
         self.tick = tick
         self.events: list[tuple[float, int, Callable[[float, Any], None], Any]] = []
         self.order = itertools.count()  # ties in time go in the order they were scheduled
@@ -349,11 +350,12 @@ class _Simulation:
 
     def _send(self, now: float, r: Request) -> None:
         p, bt = self.decode_profile, self.block_tokens
-        split = self.split
+        split = self.split and r.prompt >= self.whole_below
         arrive = now + (self.prefill_profile if split else p).prompt_latency_ms_at(r.prompt)
         reuses = r.earlier_prompt and not self.phases[0].salted
         home_decode, home_prefill = self.homes.get(r.conversation, (None, None)) if reuses else (None, None)
-        route = self.routes[r.id] = _Route(r, now, _pick(self.loads, self.decoders, home_decode))
+        among = self.decoders if split or not self.split else self.prefillers + self.decoders  # whole: any worker
+        route = self.routes[r.id] = _Route(r, now, _pick(self.loads, among, home_decode))
         if route.decode == home_decode:
             route.decode_cached = reusable(r.earlier_prompt + r.earlier_output, r.prompt, bt)
         self.loads[route.decode].add(r.prompt, 1)

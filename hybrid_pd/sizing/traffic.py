@@ -12,7 +12,11 @@ A traffic that changes phase (chat, then long documents) would fill the window w
 length, and the planner would size for a mix that is neither (on four H100s it stopped at 2P2D for
 2-4 s on the way from whole requests to 3P1D and back). So when the arrivals of the last
 ``recent_s`` differ from the window's older ones by more than :data:`SHIFT` in median prompt or
-output length, the summary is of the last ``recent_s`` alone.
+output length, the summary is of the last ``recent_s`` alone, and so are the next ones from that
+point on: the window starts again at the shift. Otherwise, a period later, the new phase's
+arrivals outnumber the old ones in the older part of the window, no shift shows, and the planner
+sizes for the mix again (simulated, chat -> documents -> chat on four H100s flipped to 3P1D and
+back within 4 s of the second chat phase).
 
 Several routers in front of the same workers each see part of the traffic; the one that decides
 sizes for all of it: each shares its window as ages (:meth:`TrafficWindow.view`, lengths already
@@ -26,6 +30,7 @@ simulation). O(1) per request; the summary walks the window.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -60,6 +65,7 @@ class TrafficWindow:
     _changes: deque[tuple[float, int]] = field(default_factory=deque)  # (when, requests in flight from then on)
     _inflight: int = 0
     _counted: bool = False  # an answer's usage has set the ratios
+    _phase_start: float = -math.inf  # where the last shift was seen: what came before is another phase
 
     def started(self, now: float, prompt_estimate: int, max_tokens: int) -> None:
         self._inflight += 1
@@ -102,9 +108,9 @@ class TrafficWindow:
             return None
         # A router whose traffic began inside the window has seen only part of it: over the whole window, 128 requests in
         # flight for 2 s would read as 25 (the GPU run: the planner moved only once the window had filled).
-        start = max(since, self._changes[0][0])
-        if self._shifted(now - self.recent_s) and now - self.recent_s > start:
-            start = now - self.recent_s
+        start = max(since, self._changes[0][0], self._phase_start)
+        if self._shifted(now - self.recent_s, start) and now - self.recent_s > start:
+            start = self._phase_start = now - self.recent_s
         if now <= start:
             return None
         arrived = [(round(p * self.prompt_ratio), round(o * self.output_ratio)) for when, p, o in self._arrived if when >= start]
@@ -117,9 +123,9 @@ class TrafficWindow:
         while len(self._changes) > 1 and self._changes[1][0] <= since:
             self._changes.popleft()
 
-    def _shifted(self, boundary: float) -> bool:
-        """Whether the arrivals after ``boundary`` differ from those before it by :data:`SHIFT` in median prompt or output."""
-        older = [(p, o) for when, p, o in self._arrived if when < boundary]
+    def _shifted(self, boundary: float, start: float) -> bool:
+        """Whether the arrivals after ``boundary`` differ from those between ``start`` and it by :data:`SHIFT` in median prompt or output."""
+        older = [(p, o) for when, p, o in self._arrived if start <= when < boundary]
         newer = [(p, o) for when, p, o in self._arrived if when >= boundary]
         if not older or not newer:
             return False
