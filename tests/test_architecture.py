@@ -5,6 +5,8 @@
   (deploy/router.Dockerfile), so a router module that imported any of these would work here,
   where everything is installed, and fail there. Each router module is imported in a fresh
   interpreter in which they cannot be found.
+- No two modules import each other (a module that needs another's parts and is needed by it is
+  one module, or two with a third they share).
 - Shared code (``hybrid_pd.common``) imports nothing of the project outside it: the services
   build on it, not it on them (the configuration reference, which reads every service's
   settings, sits beside the CLI).
@@ -110,3 +112,18 @@ def test_shared_code_imports_only_shared_code():
     reaching_up = {p.name: sorted(i for i in _project_imports(p) if not i.startswith("hybrid_pd.common")) for p in common.glob("*.py")}
     assert {name: up for name, up in reaching_up.items() if up} == {}
     assert len(reaching_up) > 5  # the package was found
+
+
+def test_no_two_modules_import_each_other():
+    package = Path(hybrid_pd.connector.__file__).parent.parent
+    imports: dict[str, set[str]] = {}
+    for path in package.rglob("*.py"):
+        name = ".".join(path.relative_to(package.parent).with_suffix("").parts).removesuffix(".__init__")
+        found = _project_imports(path)
+        for node in ast.walk(ast.parse(path.read_text())):  # `from hybrid_pd.sizing import check` names a module too
+            if isinstance(node, ast.ImportFrom) and node.module in found:
+                found |= {f"{node.module}.{alias.name}" for alias in node.names}
+        imports[name] = found
+    mutual = {tuple(sorted((a, b))) for a, found in imports.items() for b in found if b != a and a in imports.get(b, ())}
+    assert mutual == set()
+    assert len(imports) > 100  # the package was found

@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from hybrid_pd.sizing.check import check, markdown
 from hybrid_pd.sizing.fitting import bisect_root, nonnegative_least_squares
-from hybrid_pd.sizing.matrix import FITS, FOUR_SYSTEMS, SWEEP, SYSTEMS, Matrix, fit, fitted, four_table, load_four, load_matrix, refit
+from hybrid_pd.sizing.matrix import FITS, FOUR_SYSTEMS, SWEEP, SYSTEMS, Matrix, check, fit, fitted, four_table, load_four, load_matrix, markdown, refit
 from hybrid_pd.sizing.profile import Profile
 from hybrid_pd.sizing.simulate import predict
 

@@ -4,7 +4,7 @@ The matrix (docs/performance.md: Nemotron-H-8B, two H100s, vLLM 0.26.0, ``vllm b
 measured, per workload and requests in flight, colocated replicas (``replicas``) and a fixed
 1 prefill + 1 decode split (``pd``) on the same two GPUs. No profile was measured on its own,
 so :func:`fit` takes each profile quantity from the rows that show it most directly and names
-them (:data:`FITS`); every other figure of every row is a prediction (:mod:`.check`):
+them (:data:`FITS`); every other figure of every row is a prediction (:func:`check`, a figure fitted to marked):
 
 - **decode step**: TPOT mean of the replicas at 1 in flight (one sequence decoding, every
   workload) and of the fixed split's decode worker at 32 and 64 in flight at the two ends of the
@@ -53,7 +53,7 @@ import json
 import statistics
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -61,10 +61,27 @@ from hybrid_pd.connector.plan import model_shape
 from hybrid_pd.sizing.fitting import bisect_root, engine_prefill_ms, fit_decode_step, match_throughput, prompt_latency_residue
 from hybrid_pd.sizing.layouts import RUNNER_SYSTEMS, Layout
 from hybrid_pd.sizing.profile import DecodeStep, Profile, Transfer
-from hybrid_pd.sizing.simulate import SLO, predict
+from hybrid_pd.sizing.simulate import SLO, Prediction, predict
 from hybrid_pd.sizing.workload import Lengths, Workload
 
-__all__ = ["FITS", "FOUR_FITS", "SYSTEMS", "FourRow", "Matrix", "Measured", "fit", "fitted", "four_table", "load_four", "load_matrix", "refit"]
+__all__ = [
+    "FITS",
+    "FOUR_FITS",
+    "METRICS",
+    "SYSTEMS",
+    "Compared",
+    "FourRow",
+    "Matrix",
+    "Measured",
+    "check",
+    "fit",
+    "fitted",
+    "four_table",
+    "load_four",
+    "load_matrix",
+    "markdown",
+    "refit",
+]
 
 RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results"
 MATRIX = RESULTS / "2026-11-25-h100x2-goodput"
@@ -286,9 +303,47 @@ def four_table(profile: Profile, rows: list[FourRow]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    from hybrid_pd.sizing.check import check, markdown
+# --- the simulator's predictions against the matrix, row by row (``check``) ---
 
+METRICS = ("throughput_rps", "goodput_per_gpu", "ttft_p50_ms", "tpot_p50_ms", "tpot_mean_ms")
+
+
+@dataclass(frozen=True)
+class Compared:
+    measured: Measured
+    predicted: Prediction
+    fitted: dict[str, str]  # metric -> the profile quantity fitted to it
+
+    def error(self, metric: str) -> float | None:
+        """(predicted - measured) / measured; None where nothing was measured."""
+        m = getattr(self.measured, metric)
+        return None if m == 0 else (getattr(self.predicted, metric) - m) / m
+
+    def to_json(self) -> dict[str, Any]:
+        return {"measured": asdict(self.measured), "predicted": self.predicted.to_json(), "fitted": self.fitted,
+                "error": {m: self.error(m) for m in METRICS}}  # fmt: skip
+
+
+def check(profile: Profile, matrix: Matrix) -> list[Compared]:
+    return [Compared(r, predict(profile, SYSTEMS[r.system], r.workload(), matrix.slo), fitted(r.key)) for r in matrix.rows]
+
+
+def markdown(compared: list[Compared], slo: SLO) -> str:
+    """The comparison as a table, measured → predicted (error) per figure; a fitted figure in italics."""
+    head = ["workload", "in flight", "system", "run", "req/s", f"goodput {slo} /GPU", "TTFT p50 ms", "TPOT p50 ms", "TPOT mean ms"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for c in sorted(compared, key=lambda c: (c.measured.input_len, c.measured.output_len, c.measured.level, c.measured.system, c.measured.run)):
+        m = c.measured
+        cells = [f"{m.input_len}/{m.output_len}", str(m.level), m.system, m.run.removeprefix("summary-")]
+        for metric in METRICS:
+            err = c.error(metric)
+            text = f"{getattr(m, metric):.2f} → {getattr(c.predicted, metric):.2f} ({'n/a' if err is None else f'{err:+.0%}'})"
+            cells.append(f"*{text}*" if metric in c.fitted else text)
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hybrid_pd.sizing.matrix", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
     f = sub.add_parser("fit", help="fit a profile from the matrix and write it")
