@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from hybrid_pd.connector.contract import HANDOFF_KEY_PARAM, HANDOFF_PATH
+from hybrid_pd.connector.contract import HANDOFF_KEY_HEADER, HANDOFF_KEY_PARAM, HANDOFF_PATH
 from hybrid_pd.connector.trace.timeline import REQUEST_ID_PARAM
 from hybrid_pd.connector.vllm import handoff
 from hybrid_pd.connector.vllm.handoff import HandoffMiddleware, Outbox
@@ -45,8 +45,11 @@ class _Events:
         self.seen.append((name, fields))
 
 
-async def _call(middleware: HandoffMiddleware, method: str, path: str, body: bytes = b"", leave: asyncio.Event | None = None) -> tuple[int, bytes]:
-    """One request through ``middleware``; ``leave``: when set, the client disconnects."""
+async def _call(
+    middleware: HandoffMiddleware, method: str, path: str, body: bytes = b"", leave: asyncio.Event | None = None, early: bool = False
+) -> tuple[int, bytes]:
+    """One request through ``middleware``; ``leave``: when set, the client disconnects; ``early``: it says it is an early leg
+    (the router's header)."""
     sent: list[dict] = []
     delivered = False
 
@@ -61,7 +64,8 @@ async def _call(middleware: HandoffMiddleware, method: str, path: str, body: byt
     async def send(message: dict) -> None:
         sent.append(message)
 
-    await middleware({"type": "http", "method": method, "path": path, "headers": []}, receive, send)
+    headers = [(HANDOFF_KEY_HEADER.encode(), b"k")] if early else []
+    await middleware({"type": "http", "method": method, "path": path, "headers": headers}, receive, send)
     if not sent:
         return 0, b""
     return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:])
@@ -84,14 +88,14 @@ async def test_a_push_that_came_first_goes_with_its_leg_into_vllm_once():
     app, events = _App(), _Events()
     middleware = HandoffMiddleware(app, writer=events)
     assert await _call(middleware, "POST", HANDOFF_PATH, _push("k1")) == (204, b"")
-    assert await _call(middleware, "POST", "/v1/completions", _early_leg("k1")) == (200, b"ok")
+    assert await _call(middleware, "POST", "/v1/completions", _early_leg("k1"), early=True) == (200, b"ok")
     sent = json.loads(app.bodies[0])
     assert sent["kv_transfer_params"] == {**PUSHED, HANDOFF_KEY_PARAM: "k1", REQUEST_ID_PARAM: "r1"}
     assert sent["prompt"] == "hi" and sent["stream"] is True
     assert events.seen == [("handoff_in", {"rid": "r1"})]
     # Taken once: a second leg with the same key waits (here: until its client leaves).
     leave = asyncio.Event()
-    second = asyncio.ensure_future(_call(middleware, "POST", "/v1/completions", _early_leg("k1"), leave))
+    second = asyncio.ensure_future(_call(middleware, "POST", "/v1/completions", _early_leg("k1"), leave, early=True))
     await asyncio.sleep(0.05)
     leave.set()
     assert await second == (0, b"") and len(app.bodies) == 1
@@ -100,7 +104,7 @@ async def test_a_push_that_came_first_goes_with_its_leg_into_vllm_once():
 async def test_a_leg_that_came_first_waits_for_its_push_and_for_nothing_else():
     app = _App()
     middleware = HandoffMiddleware(app)
-    leg = asyncio.ensure_future(_call(middleware, "POST", "/v1/chat/completions", _early_leg("k2")))
+    leg = asyncio.ensure_future(_call(middleware, "POST", "/v1/chat/completions", _early_leg("k2"), early=True))
     await asyncio.sleep(0.05)
     assert not leg.done() and app.bodies == []
     await _call(middleware, "POST", HANDOFF_PATH, _push("other"))
@@ -115,7 +119,7 @@ async def test_a_leg_whose_client_leaves_while_it_waits_never_reaches_vllm():
     app = _App()
     middleware = HandoffMiddleware(app)
     leave = asyncio.Event()
-    leg = asyncio.ensure_future(_call(middleware, "POST", "/v1/completions", _early_leg("k3"), leave))
+    leg = asyncio.ensure_future(_call(middleware, "POST", "/v1/completions", _early_leg("k3"), leave, early=True))
     await asyncio.sleep(0.05)
     leave.set()
     assert await asyncio.wait_for(leg, 5) == (0, b"")
@@ -126,7 +130,7 @@ async def test_a_leg_whose_push_never_comes_goes_on_without_parameters(monkeypat
     monkeypatch.setattr(handoff, "WAIT_LIMIT_S", 0.05)
     app = _App()
     with caplog.at_level(logging.WARNING, logger="vllm.hybrid_pd.handoff"):
-        assert await _call(HandoffMiddleware(app), "POST", "/v1/completions", _early_leg("k4")) == (200, b"ok")
+        assert await _call(HandoffMiddleware(app), "POST", "/v1/completions", _early_leg("k4"), early=True) == (200, b"ok")
     assert json.loads(app.bodies[0])["kv_transfer_params"] is None, "the decode worker computes the prompt itself"
     assert "no push came" in caplog.text
 
@@ -147,12 +151,36 @@ async def test_anything_else_goes_to_vllm_as_it_came(path, body):
     assert app.bodies == [body]
 
 
+async def test_a_request_that_does_not_say_it_is_an_early_leg_is_not_read_on_its_way():
+    """Only the router's header makes the middleware read a body: every other request reaches vLLM with the connection's own
+    receive (nothing buffered or replayed), an early leg's body included (the header is the leg's word)."""
+    seen = []
+
+    async def app(scope, receive, send) -> None:  # noqa: ANN001 - ASGI
+        seen.append(receive)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    bodies = [{"type": "http.request", "body": _early_leg("k6"), "more_body": False}]
+
+    async def receive() -> dict:
+        if bodies:  # the body once; then the connection stays open
+            return bodies.pop()
+        await asyncio.Event().wait()
+
+    async def send(message: dict) -> None:
+        pass
+
+    await asyncio.wait_for(HandoffMiddleware(app)({"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}, receive, send), 5)
+    assert seen == [receive]
+
+
 async def test_one_post_brings_several_pushes():
     app = _App()
     middleware = HandoffMiddleware(app)
     assert await _call(middleware, "POST", HANDOFF_PATH, _push("x", "y")) == (204, b"")
     for key in ("y", "x"):
-        assert await asyncio.wait_for(_call(middleware, "POST", "/v1/completions", _early_leg(key)), 5) == (200, b"ok")
+        assert await asyncio.wait_for(_call(middleware, "POST", "/v1/completions", _early_leg(key), early=True), 5) == (200, b"ok")
     assert [json.loads(b)["kv_transfer_params"][HANDOFF_KEY_PARAM] for b in app.bodies] == ["y", "x"]
 
 

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from hybrid_pd.connector.contract import HANDOFF_KEY_PARAM, HANDOFF_URL_PARAM
+from hybrid_pd.connector.contract import HANDOFF_KEY_HEADER, HANDOFF_KEY_PARAM, HANDOFF_URL_PARAM
 from hybrid_pd.connector.trace.timeline import REQUEST_ID_PARAM
 from hybrid_pd.router.app import RouterApp
 from tests.router_support import DECODE, Workers, asgi_client, probed, router_app
@@ -63,6 +63,8 @@ async def test_the_decode_leg_is_in_flight_while_the_prefill_runs_and_both_legs_
                               "kv_transfer_params": {"do_remote_prefill": True, HANDOFF_KEY_PARAM: key, REQUEST_ID_PARAM: "r1"}}  # fmt: skip
     prefill_params = legs["prefill"]["kv_transfer_params"]
     assert prefill_params[HANDOFF_KEY_PARAM] == key and prefill_params[HANDOFF_URL_PARAM] == DECODE
+    headers = {worker: h for worker, _, h in early_workers.calls}  # the early leg says so: the decode server reads it only
+    assert headers["decode"][HANDOFF_KEY_HEADER] == key and HANDOFF_KEY_HEADER not in headers["prefill"]
     assert legs["prefill"]["max_tokens"] == 1 and prefill_params["do_remote_decode"] is True
     # The prefill's usage still reaches the client: its cached tokens are the prefill's.
     assert r.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 2}

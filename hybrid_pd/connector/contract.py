@@ -16,6 +16,7 @@ __all__ = [
     "DELAY_ENV",
     "ENGINE_FIXES_ENV",
     "FAILED_PULLS",
+    "HANDOFF_KEY_HEADER",
     "HANDOFF_KEY_PARAM",
     "HANDOFF_PATH",
     "HANDOFF_URL_PARAM",
@@ -71,3 +72,6 @@ TIMELINE_SOURCE_ENV = "HYBRID_PD_TIMELINE_SOURCE"
 HANDOFF_PATH = "/hybrid_pd/handoff"
 HANDOFF_KEY_PARAM = "hybrid_pd_handoff_key"  # both legs: the pair's key, the same on both
 HANDOFF_URL_PARAM = "hybrid_pd_handoff_url"  # the prefill leg: the decode worker's vLLM server, where to push
+# The early decode leg says so in this header too: the decode worker's server reads the body of such a leg only, and
+# lets every other request through to vLLM as it came.
+HANDOFF_KEY_HEADER = "x-hybrid-pd-handoff-key"

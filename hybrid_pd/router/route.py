@@ -31,6 +31,7 @@ import httpx
 
 from hybrid_pd.common.logs import kv
 from hybrid_pd.common.openai_errors import OpenAIError
+from hybrid_pd.connector.contract import HANDOFF_KEY_HEADER
 from hybrid_pd.connector.trace.timeline import TimelineWriter, writer_for
 from hybrid_pd.router.legs import Handoff, LegEncoder, decode_body, early_decode_body, prefill_body
 from hybrid_pd.router.migration import Opened, is_migratable, migrating_chunks, with_stall_timeout, with_token_ids
@@ -240,7 +241,8 @@ async def route(state: RouterState, path: str, body: dict[str, Any], request_id:
                 if trace is not None:
                     trace.event("decode_sent", rid=request_id)
                 leg_body = encoder.encode(early_decode_body(body, handoff, request_id))
-                early = asyncio.ensure_future(_decode_leg(state, decode, lease, path, leg_body, headers, None, attempt))
+                early_headers = {**headers, HANDOFF_KEY_HEADER: handoff.key}
+                early = asyncio.ensure_future(_decode_leg(state, decode, lease, path, leg_body, early_headers, None, attempt))
             leg_body = encoder.encode(prefill_body(body, request_id, handoff))
             if trace is not None:
                 trace.event("prefill_sent", rid=request_id)

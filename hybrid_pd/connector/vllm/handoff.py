@@ -17,9 +17,11 @@ Two parts, one per process they run in:
   engine's loop never waits on the network.
 - :class:`HandoffMiddleware`, every P/D worker's vLLM server (plain ASGI, vLLM's ``--middleware``):
   ``GET`` :data:`HANDOFF_PATH` answers 200 (the router's probe: this worker takes part); a ``POST``
-  brings pushes (a JSON list of ``{"key", "params"}``); an early leg (a generation request whose parameters name a key and no prefill
-  yet) is held here, before vLLM reads it, until its key's push has come, then goes on to vLLM with
-  the pushed parameters, as the usual decode leg would.
+  brings pushes (a JSON list of ``{"key", "params"}``); an early leg (a generation request with the
+  router's :data:`HANDOFF_KEY_HEADER` whose parameters name a key and no prefill yet) is held here,
+  before vLLM reads it, until its key's push has come, then goes on to vLLM with the pushed
+  parameters, as the usual decode leg would. Any other request goes on to vLLM as it came, its body
+  unread (before the header, every generation body was read, searched and replayed).
 
 Why the request waits in the server and not in the engine: a request waiting in vLLM's scheduler
 (its connector answering "ask again later") makes the engine step its model workers every
@@ -49,7 +51,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 from urllib.parse import urlsplit
 
-from hybrid_pd.connector.contract import HANDOFF_KEY_PARAM, HANDOFF_PATH
+from hybrid_pd.connector.contract import HANDOFF_KEY_HEADER, HANDOFF_KEY_PARAM, HANDOFF_PATH
 from hybrid_pd.connector.trace.timeline import REQUEST_ID_PARAM, TimelineWriter
 from hybrid_pd.connector.trace.timeline import from_env as timeline_from_env
 
@@ -120,7 +122,7 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 _GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
-_KEY_BYTES = HANDOFF_KEY_PARAM.encode()
+_KEY_HEADER = HANDOFF_KEY_HEADER.encode()
 
 
 class HandoffMiddleware:
@@ -138,7 +140,7 @@ class HandoffMiddleware:
             await self.app(scope, receive, send)
         elif scope["path"] == HANDOFF_PATH:
             await self._handoff(scope, receive, send)
-        elif scope["method"] == "POST" and scope["path"] in _GENERATION_PATHS:
+        elif scope["method"] == "POST" and scope["path"] in _GENERATION_PATHS and any(k == _KEY_HEADER for k, _ in scope["headers"]):
             await self._generation(scope, receive, send)
         else:
             await self.app(scope, receive, send)
@@ -162,9 +164,9 @@ class HandoffMiddleware:
         await _answer(send, 204, b"")
 
     async def _generation(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """A generation request: an early leg waits for its push here; any other goes on as it came."""
+        """A generation request that says it is an early leg: it waits for its push here; one that is not goes on as it came."""
         body = await _body(receive)
-        early = _early_leg(body) if _KEY_BYTES in body else None
+        early = _early_leg(body)
         if early is not None:
             request, key = early
             params = await self._pushed(key, receive)
