@@ -40,5 +40,6 @@ def test_the_wheel_installs_only_the_hybrid_pd_package(tmp_path):
     assert "hybrid-pd = hybrid_pd.cli:main" in zipfile.ZipFile(next(tmp_path.glob("*.whl"))).read(entry_points).decode()
     # What runs in production and what vLLM loads by module path is there; measurements are not.
     assert {"hybrid_pd/connector/vllm/nixl_connector.py", "hybrid_pd/connector/trace/http.py", "hybrid_pd/router/app.py",
-            "hybrid_pd/eval/data/gsm8k/test.jsonl", "hybrid_pd/models/hybrid-pd-tiny/model.safetensors"} <= set(files)  # fmt: skip
+            "hybrid_pd/eval/data/gsm8k/test.jsonl", "hybrid_pd/models/hybrid-pd-tiny/model.safetensors",
+            "hybrid_pd/sizing/profiles/tiny-cpu.json", "hybrid_pd/sizing/profiles/nemotron-h-8b-h100.json"} <= set(files)  # fmt: skip
     assert not [n for n in files if n.startswith("hybrid_pd/bench/results/")]
