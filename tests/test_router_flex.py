@@ -15,6 +15,7 @@ import pytest
 from hybrid_pd.router.settings import RouterSettings
 from hybrid_pd.router.state import RouterState
 from hybrid_pd.sizing.profile import Profile
+from hybrid_pd.sizing.traffic import WindowView
 from tests.router_support import KV, asgi_client, router_app
 
 FLEX_A, FLEX_B = "http://flex-a.test:1", "http://flex-b.test:2"
@@ -225,3 +226,13 @@ def test_the_planners_settings_are_checked():
 
 def test_flex_urls_are_checked_like_the_others():
     assert RouterSettings(flex=["http://f:1/"]).flex == ["http://f:1"]
+
+
+def test_a_peers_window_this_router_cannot_read_is_left_out_not_the_whole_look():
+    """A peer of another version shares a window of another shape: the leader sizes for the others' traffic (before, the
+    look failed and no role moved while that peer ran)."""
+    from hybrid_pd.router.planner import _view
+
+    assert _view({"arrived": [[1.5, 1000, 512]], "inflight": [[2.0, 3]]}) == WindowView(((1.5, 1000, 512),), ((2.0, 3),))
+    for window in (None, [], {"arrived": [[1.5, "many", 512]], "inflight": []}, {"arrived": [[1.5, 1000]], "inflight": []}, {"inflight": []}):
+        assert _view(window) is None, window

@@ -116,7 +116,7 @@ class Planner:
         if self.decides and all(self.id < p["id"] for p in deciding):
             self.leader = self.id
             if pool is not None:
-                views = [self.traffic.view(now)] + [_view(p["window"]) for p in peers if isinstance(p.get("window"), dict)]
+                views = [self.traffic.view(now)] + [v for v in (_view(p.get("window")) for p in peers) if v is not None]
                 window = TrafficWindow.merged(views, self.traffic.seconds, self.traffic.recent_s, now) if len(views) > 1 else self.traffic
                 await self._decide(pool, window.summary(now))
             return
@@ -208,9 +208,14 @@ class Planner:
         }
 
 
-def _view(window: dict[str, Any]) -> WindowView:
-    """A peer's window from its JSON (:meth:`Planner.peer`)."""
-    return WindowView(tuple((float(a), int(p), int(o)) for a, p, o in window["arrived"]), tuple((float(a), int(n)) for a, n in window["inflight"]))
+def _view(window: Any) -> WindowView | None:
+    """A peer's window from its JSON (:meth:`Planner.peer`); None for one this router cannot read (a peer of another version:
+    the others' traffic is still sized for)."""
+    try:
+        arrived = tuple((float(a), int(p), int(o)) for a, p, o in window["arrived"])
+        return WindowView(arrived, tuple((float(a), int(n)) for a, n in window["inflight"]))
+    except (TypeError, ValueError, KeyError):
+        return None
 
 
 async def _addresses(url: str) -> list[str]:
