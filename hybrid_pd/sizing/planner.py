@@ -4,11 +4,12 @@ A pure function over typed inputs (:func:`decide`): what the router measured of 
 (:class:`Traffic`), the model's profile, the SLO pair, the workers and the layout they run now.
 Every candidate layout of ``workers`` flexible workers (all serving whole requests, or any xPyD
 split) is simulated under a workload with the traffic's lengths and load (the simulator
-``hybrid-pd size`` runs, so one model sizes offline and steers live), on two seeds. The best is
+``hybrid-pd size`` runs, so one model sizes offline and steers live), on two seeds, at 0.9x and
+1.1x the measured load. The best is
 the one with the most goodput per GPU (then throughput; equals keep the layout in place, then
 the one that splits least). The planner moves only when the gain is larger than the noise:
-above ``margin`` of the current layout's goodput and above the spread between the seeds of
-either layout. Where no layout meets the SLOs at all (goodput 0 everywhere) throughput decides,
+above ``margin`` of the current layout's goodput and above the spread between the two runs of
+either layout (near an SLO's edge, what 10% more or less load changes). Where no layout meets the SLOs at all (goodput 0 everywhere) throughput decides,
 with the same margin.
 
 Under a split, a request whose prompt is :data:`SHORT` times shorter than the shortest tenth of the
@@ -49,6 +50,9 @@ ROLES: tuple[str, ...] = get_args(Role)
 SHORT = 2.0
 # Seeds each candidate is simulated on: their spread is the noise a move must beat.
 SEEDS = (0, 1)
+# ... each at this share of the measured requests in flight: near an SLO's edge goodput falls off a cliff with the load,
+# and a measured load is itself noisy, so a move must beat what 10% more or less load would change.
+LOADS = (0.9, 1.1)
 # Requests each simulation sends: five waves of the load, at least this many and at most the upper bound.
 MIN_PROMPTS, MAX_PROMPTS = 96, 480
 
@@ -161,7 +165,8 @@ def _mean(runs: Sequence[Prediction]) -> Prediction:
 @functools.lru_cache(maxsize=512)
 def _predicted(profile: str, traffic: Traffic, slo: SLO, layout: Layout) -> tuple[Prediction, ...]:
     """``layout``'s prediction for the (rounded) ``traffic`` on each seed, memoized: a steady traffic is simulated once."""
-    return tuple(predict(_profile(profile), layout, workload_of(traffic, seed), slo) for seed in SEEDS)
+    return tuple(predict(_profile(profile), layout, workload_of(replace(traffic, concurrency=traffic.concurrency * load), seed), slo)
+                 for seed, load in zip(SEEDS, LOADS, strict=True))  # fmt: skip
 
 
 @functools.lru_cache(maxsize=8)

@@ -7,8 +7,8 @@ four=../2026-11-27-sim-refit/h100x4-profile.json  # refitted to the four-GPU run
 two=../2026-11-25-h100x2-sizing/profile.json
 hybrid-pd size --profile $four --gpus 4 --slo-ttft-ms 4000 --slo-tpot-ms 15 \
   --phases 1000/512@64x384,16000/256@32x192,1000/512@64x384 --json four-gpu-phases.json | tee four-gpu-phases.txt
-# the same with the chat at 128 in flight (where 1P3D is best under 500/20), under both SLO pairs
-for slo in "4000 15" "500 20"; do
+# the same with the chat at 128 in flight (where 1P3D is best under 500/20), under three SLO pairs
+for slo in "4000 15" "500 20" "4000 10"; do
   set -- $slo
   hybrid-pd size --profile $four --gpus 4 --slo-ttft-ms $1 --slo-tpot-ms $2 \
     --phases 1000/512@128x768,16000/256@32x192,1000/512@128x768 --json four-gpu-phases-c128-$1-$2.json | tee four-gpu-phases-c128-$1-$2.txt
