@@ -124,10 +124,11 @@ class Planner:
             return
         leader = min(deciding, key=lambda p: p["id"])
         self.leader = leader["id"]
-        roles, whole_below = leader.get("roles"), leader.get("whole_below", 0)
+        roles, whole_below = leader.get("roles"), leader.get("whole_below")
+        whole_below = whole_below if isinstance(whole_below, int) else 0  # a peer's word, read once here
         if isinstance(roles, dict) and roles != self.pairing.roles:
             self.apply({str(url): role for url, role in roles.items() if role in ROLES}, f"from the leader {leader['id']}", whole_below)
-        elif isinstance(whole_below, int):
+        else:
             self.pairing.whole_below = whole_below
 
     async def _peers(self, upstream: Upstream) -> list[dict[str, Any]]:
@@ -169,7 +170,7 @@ class Planner:
         ``whole_below`` to any of them; counted and logged."""
         before = layout_of(self.pairing.roles, self.flex())
         self.pairing.roles = dict(roles)
-        self.pairing.whole_below = whole_below if isinstance(whole_below, int) else 0
+        self.pairing.whole_below = whole_below
         after = layout_of(roles, self.flex())
         self.moves += 1
         self.metrics.planner_moves.inc()

@@ -354,7 +354,7 @@ class _Simulation:
         arrive = now + (self.prefill_profile if split else p).prompt_latency_ms_at(r.prompt)
         reuses = r.earlier_prompt and not self.phases[0].salted
         home_decode, home_prefill = self.homes.get(r.conversation, (None, None)) if reuses else (None, None)
-        among = self.decoders if split or not self.split else self.prefillers + self.decoders  # whole: any worker
+        among = self.decoders if split else list(range(len(self.engines)))  # whole: any worker
         route = self.routes[r.id] = _Route(r, now, _pick(self.loads, among, home_decode))
         if route.decode == home_decode:
             route.decode_cached = reusable(r.earlier_prompt + r.earlier_output, r.prompt, bt)

@@ -199,7 +199,7 @@ def test_each_model_worker_runs_on_the_cores_its_worker_was_given(up: Up):
     machine's last core: prefill and decode both ran on core 1 of 2 whatever --cpu-threads-bind said, and a busy decode
     worker starved a starting prefill. Every thread of each VLLM::Worker runs where its worker's --cpu-threads-bind says."""
     if len(os.sched_getaffinity(0)) < 2:
-        pytest.skip("one core: every worker is on it")
+        pytest.skip("needs 2 CPU cores: on one, every worker shares it (tests/test_cpu_affinity.py checks the same logic)")
     seen = {}
     for role in ("prefill", "decode", "colocated"):
         service, vllm = _vllm(up, role)
