@@ -16,6 +16,7 @@ from hybrid_pd.router.settings import RouterSettings
 from hybrid_pd.router.state import RouterState
 from hybrid_pd.sizing.profile import Profile
 from hybrid_pd.sizing.traffic import WindowView
+from hybrid_pd.sizing.workload import SLO, Lengths
 from tests.router_support import KV, asgi_client, router_app
 
 FLEX_A, FLEX_B = "http://flex-a.test:1", "http://flex-b.test:2"
@@ -88,22 +89,27 @@ async def test_in_the_planners_roles_one_flex_worker_prefills_and_the_other_pull
     assert shown["layout"] == "1P1D" and shown["roles"] == {FLEX_A: "decode", FLEX_B: "prefill"}
 
 
-async def test_under_a_split_prompts_shorter_than_the_planners_bound_go_whole_to_any_worker():
-    """Roles sized for long prompts (whole_below: 500 tokens): a long prompt is split as the roles say; short ones are served
-    whole, on the prefiller too (the decoder is busier), not all decoded by the decoder."""
+async def test_under_a_split_prompts_outside_the_planners_bounds_go_whole_to_any_worker():
+    """Roles sized for prompts of 500-8000 tokens: such a prompt is split as the roles say; shorter ones and longer ones are
+    served whole, on the prefiller too (the decoder is busier): not all decoded by the one decoder, nor all prefilled by the one
+    prefiller."""
     workers = FlexWorkers()
     async with _router(workers) as (client, state):
-        state.planner.apply({FLEX_A: "decode", FLEX_B: "prefill"}, "test", whole_below=500)
+        state.planner.apply({FLEX_A: "decode", FLEX_B: "prefill"}, "test", Lengths(500, 8000))
         state.registry.by_url(FLEX_A).load.decodes = 5
         long = await client.post("/v1/completions", json={"model": "m", "prompt": "x" * 4000, "max_tokens": 3})
         split = list(workers.calls)
         workers.calls.clear()
         short = await asyncio.gather(*(client.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 3}) for _ in range(2)))
+        whole_short = list(workers.calls)
+        workers.calls.clear()
+        longer = await asyncio.gather(*(client.post("/v1/completions", json={"model": "m", "prompt": "x" * 40000, "max_tokens": 3}) for _ in range(2)))
         shown = (await client.get("/planner")).json()
     assert long.status_code == 200 and [host for host, _ in split] == ["flex-b.test", "flex-a.test"]  # B prefilled, A decoded
-    assert [r.status_code for r in short] == [200, 200] and not [b for _, b in workers.calls if "kv_transfer_params" in b]
-    assert "flex-b.test" in {host for host, _ in workers.calls}  # the prefiller served a short one whole
-    assert shown["whole_below"] == 500
+    for answers, calls in ((short, whole_short), (longer, workers.calls)):
+        assert [r.status_code for r in answers] == [200, 200] and not [b for _, b in calls if "kv_transfer_params" in b]
+        assert "flex-b.test" in {host for host, _ in calls}  # the prefiller served one whole
+    assert shown["split_prompts"] == [500, 8000]
 
 
 async def test_the_planner_moves_roles_from_the_traffic_it_measured(tmp_path):
@@ -134,6 +140,52 @@ async def test_the_planner_moves_roles_from_the_traffic_it_measured(tmp_path):
     assert shown["layout"] == "1P3D", shown
     assert shown["roles"] == {flex[0]: "decode", flex[1]: "decode", flex[2]: "decode", flex[3]: "prefill"}
     assert {p["layout"] for p in shown["predictions"]} == {"4 flex", "1P3D", "2P2D", "3P1D"}
+
+
+async def test_a_request_asks_for_its_slo_in_headers_and_a_bad_one_is_refused():
+    """llm-d's ``x-slo-ttft-ms`` and ``x-slo-tpot-ms``: what a request asks for is what the planner's window keeps (a target
+    left out: the router's own); a target that is not a number of milliseconds above 0 is the client's error."""
+    app = router_app(FlexWorkers(), prefill=[], decode=[], flex=[FLEX_A, FLEX_B], slo_ttft_ms=500.0, slo_tpot_ms=20.0)
+    state = app.state.router
+    async with app.router.lifespan_context(app), asgi_client(app) as client:
+        for worker in state.registry.all():
+            state.registry.record_health(worker, ok=True)
+        body = {"model": "m", "prompt": "hi", "max_tokens": 3}
+        asked = [await client.post("/v1/completions", json=body, headers=headers)
+                 for headers in ({"x-slo-ttft-ms": "4000", "x-slo-tpot-ms": "15"}, {"x-slo-tpot-ms": "12.5"}, {})]  # fmt: skip
+        seen = [slo for _, _, _, slo in state.planner.traffic.view(time.perf_counter()).arrived]
+        bad = [await client.post("/v1/completions", json=body, headers={name: value})
+               for name, value in (("x-slo-ttft-ms", "soon"), ("x-slo-tpot-ms", "0"), ("x-slo-ttft-ms", "inf"))]  # fmt: skip
+    assert [r.status_code for r in asked] == [200] * 3 and seen == [SLO(4000, 15), SLO(500, 12.5), SLO(500, 20)]
+    assert [r.status_code for r in bad] == [400] * 3 and all(r.json()["error"]["message"].startswith("header x-slo-") for r in bad)
+    assert len(state.planner.traffic.view(time.perf_counter()).arrived) == 3  # a refused request is no traffic
+
+
+async def test_the_planner_sizes_for_the_slo_the_requests_asked_for(tmp_path):
+    """The router's own targets are 500/20 ms, under which 128 in flight of 1000/512 are best on 1P3D
+    (test_the_planner_moves_roles_from_the_traffic_it_measured); the requests ask for 4000/15, under which whole requests are best (the four-H100 profile): they stay whole."""
+    flex = [f"http://flex-{i}.test:{i + 1}" for i in range(4)]
+    profile = tmp_path / "profile.json"
+    Profile.load(H100_PROFILE).model_copy(update={"cache_bytes": 14 << 30}).save(profile)
+    app = router_app(
+        FlexWorkers(), prefill=[], decode=[], flex=flex, slo_ttft_ms=500.0, slo_tpot_ms=20.0, planner_profile=str(profile),
+        planner_interval_s=0.2, planner_window_s=10.0,
+    )  # fmt: skip
+    state = app.state.router
+    async with app.router.lifespan_context(app):
+        for worker in state.registry.all():
+            state.registry.record_health(worker, ok=True)
+        traffic, now = state.planner.traffic, time.perf_counter()
+        for _ in range(128):
+            traffic.started(now - 10, 1000, 512, SLO(4000, 15))
+        for i in range(64):
+            traffic.ended(now - 5 + i * 0.05, 1000, 512, 1000, 512)
+            traffic.started(now - 5 + i * 0.05, 1000, 512, SLO(4000, 15))
+        deadline = time.perf_counter() + 60  # the decision's process starts first
+        while state.planner.decision is None and time.perf_counter() < deadline:
+            await asyncio.sleep(0.1)
+        shown = state.planner.snapshot()
+    assert shown["layout"] == "4 flex" and "at 4000/15 ms" in shown["why"], shown
 
 
 def _routers(workers: FlexWorkers, apps: dict[str, object]) -> Callable[[httpx.Request], Awaitable[httpx.Response]]:
@@ -233,6 +285,8 @@ def test_a_peers_window_this_router_cannot_read_is_left_out_not_the_whole_look()
     look failed and no role moved while that peer ran)."""
     from hybrid_pd.router.planner import _view
 
-    assert _view({"arrived": [[1.5, 1000, 512]], "inflight": [[2.0, 3]]}) == WindowView(((1.5, 1000, 512),), ((2.0, 3),))
-    for window in (None, [], {"arrived": [[1.5, "many", 512]], "inflight": []}, {"arrived": [[1.5, 1000]], "inflight": []}, {"inflight": []}):
+    # a peer from before arrivals carried their SLO pair: none asked
+    assert _view({"arrived": [[1.5, 1000, 512]], "inflight": [[2.0, 3]]}) == WindowView(((1.5, 1000, 512, None),), ((2.0, 3),))
+    for window in (None, [], {"arrived": [[1.5, "many", 512]], "inflight": []}, {"arrived": [[1.5, 1000]], "inflight": []}, {"inflight": []},
+                   {"arrived": [[1.5, 1000, 512, 500]], "inflight": []}):  # fmt: skip
         assert _view(window) is None, window

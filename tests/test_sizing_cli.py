@@ -40,12 +40,16 @@ def test_size_with_a_profile_per_worker_size_lays_out_both_sizes_and_mixes_them_
 
 def test_size_phases_simulates_the_planner_against_every_fixed_layout(tmp_path, capsys):
     tiny_profile().save(tmp_path / "profile.json")
-    argv = ["size", "--profile", str(tmp_path / "profile.json"), "--gpus", "3", "--phases", "100-300/20@8x40,2000/5@4x20",
+    argv = ["size", "--profile", str(tmp_path / "profile.json"), "--gpus", "3", "--phases", "100-300/20@8x40,2000/5@4x20:1000/50",
             "--slo-ttft-ms", "100", "--slo-tpot-ms", "8", "--json", str(tmp_path / "phases.json")]  # fmt: skip
     assert main(argv) == 0
-    table = capsys.readouterr().out
-    assert [line.split()[0] for line in table.splitlines()[2:6]] == ["planner", "3", "1P2D", "2P1D"]
+    table = [line.split() for line in capsys.readouterr().out.splitlines()[2:14]]
+    # each phase, then the whole run: the planner first, then every fixed layout; each phase with the SLO it asks (else the run's)
+    assert [(r[0], r[1], r[2]) for r in table[:4]] == [("1", "100/8", "planner"), ("1", "100/8", "3"), ("1", "100/8", "1P2D"), ("1", "100/8", "2P1D")]
+    assert [r[:2] for r in table[4:8]] == [["2", "1000/50"]] * 4 and [r[:3] for r in table[8:10]] == [["all", "100/8,", "1000/50"]] * 2
     out = json.loads((tmp_path / "phases.json").read_text())
     assert [p["layout"] for p in out["predictions"]] == ["planner", "3 replicas", "1P2D", "2P1D"]
     assert all(p["completed"] == 60 for p in out["predictions"])
+    assert [(p["phase"], p["slo_ms"], [q["completed"] for q in p["predictions"]]) for p in out["phase_predictions"]] == [
+        ("100-300/20@8x40", "100/8", [40] * 4), ("2000/5@4x20:1000/50", "1000/50", [20] * 4)]
     assert out["planner"] == {"interval_s": 2.0, "window_s": 10.0, "margin": 0.1} and isinstance(out["changes"], list)

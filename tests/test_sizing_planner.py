@@ -9,11 +9,11 @@ import pytest
 
 from hybrid_pd.sizing.traffic import TrafficWindow
 from hybrid_pd.sizing.layouts import Layout
-from hybrid_pd.sizing.planned import simulate_planner
+from hybrid_pd.sizing.planned import compare, simulate_planner
 from hybrid_pd.sizing.planner import Traffic, assign, candidates, decide, traffic_of
 from hybrid_pd.sizing.profile import Profile
 from hybrid_pd.sizing.simulate import SLO, _Simulation, summarize
-from hybrid_pd.sizing.workload import Lengths, Workload
+from hybrid_pd.sizing.workload import Lengths, Workload, parse_phase
 from tests.sizing_support import tiny_profile
 
 H100 = Profile.load(Path(__file__).parent.parent / "hybrid_pd/bench/results/2026-11-25-h100x2-sizing/profile.json").model_copy(
@@ -84,7 +84,7 @@ def test_roles_move_as_few_workers_as_they_can():
 
 
 def test_traffic_of_the_finished_requests_is_their_10th_to_90th_percentiles():
-    finished = [(p, 100) for p in range(1000, 2001, 10)]
+    finished = [(p, 100, None) for p in range(1000, 2001, 10)]
     traffic = traffic_of(finished, 12.0, 10.0)
     assert traffic == Traffic(101, Lengths(1100, 1900), Lengths(100, 100), 12.0, 10.1)
     assert traffic_of([], 1.0, 10.0) is None
@@ -211,8 +211,8 @@ def test_under_a_split_short_prompts_are_served_whole_and_chat_after_documents_l
     slo = SLO(4000, 15)
     chat = lambda seed: Workload(Lengths(1000, 1000), Lengths(512, 512), 768, concurrency=128, seed=seed)  # noqa: E731
     docs = Workload(Lengths(16000, 16000), Lengths(256, 256), 192, concurrency=32, seed=1)
-    assert decide(H100, _traffic(16000, 256, 32), slo, 4, FLEX4, 0.1).whole_below == 8000  # 3P1D: below half the documents
-    assert decide(H100, _traffic(1000, 512, 64), slo, 4, FLEX4, 0.1).whole_below == 0  # whole requests: nothing to split
+    assert decide(H100, _traffic(16000, 256, 32), slo, 4, FLEX4, 0.1).split_prompts == Lengths(8000, 32000)  # 3P1D: half to twice the documents
+    assert decide(H100, _traffic(1000, 512, 64), slo, 4, FLEX4, 0.1).split_prompts is None  # whole requests: nothing to split
     run = simulate_planner(H100, 4, [chat(0), docs, chat(2)], slo, period_s=2.0, window_s=10.0, margin=0.1)
     assert [c.layout for c in run.changes] == ["3P1D", "4 flex"], run.changes
     planner = summarize(FLEX4, run.outcomes, slo).goodput_per_gpu
@@ -233,3 +233,52 @@ def test_near_an_slos_edge_a_move_must_beat_what_ten_percent_more_or_less_load_w
     planner = summarize(FLEX4, run.outcomes, slo).goodput_per_gpu
     replicas = summarize(Layout("replicas", 0, 4), _Simulation(H100, H100, Layout("replicas", 0, 4), phases).run(), slo).goodput_per_gpu
     assert planner >= 0.95 * replicas, (planner, replicas)
+
+
+def test_a_phase_asks_for_its_own_slo_and_each_request_is_judged_by_what_it_asked():
+    phase = parse_phase("100/10@2x4:50/1000", seed=0)
+    assert phase.slo == SLO(50, 1000) and {r.slo for r in phase.requests()} == {SLO(50, 1000)}
+    assert parse_phase("100/10@2x4", seed=0).slo is None
+    with pytest.raises(ValueError, match="TTFT/TPOT"):
+        parse_phase("100/10@2x4:fast", seed=0)
+    outcomes = _Simulation(tiny_profile(), tiny_profile(), Layout("replicas", 0, 2), [phase]).run()
+    strict, loose = SLO(1e-9, 1e-9), SLO(1e9, 1e9)
+    assert summarize(Layout("replicas", 0, 2), outcomes, strict).slo_met == summarize(Layout("replicas", 0, 2), outcomes, loose).slo_met
+    asked = [o for o in outcomes if o.ttft_ms <= 50]
+    assert summarize(Layout("replicas", 0, 2), outcomes, strict).slo_met == len(asked) / len(outcomes)
+
+
+def test_the_window_sizes_for_the_slo_most_asked_and_a_new_pair_is_a_shift():
+    window = TrafficWindow(10.0, 2.0)
+    for i in range(80):
+        window.started(100.0 + i * 0.1, 1000, 512, SLO(500, 20) if i % 4 else SLO(4000, 15))  # three in four ask 500/20
+    assert window.summary(108.0).slo == SLO(500, 20)
+    for i in range(20):  # the same chat, now asking for 4000/15: a new phase
+        window.started(108.0 + i * 0.1, 1000, 512, SLO(4000, 15))
+    assert window.summary(110.0).slo == SLO(4000, 15) and window.summary(110.0).requests == 20
+    assert traffic_of([(1000, 512, None)], 1.0, 1.0).slo is None  # none asked: the router's own
+
+
+def test_the_simulated_planner_sizes_each_phase_for_the_slo_it_asks_and_beats_every_fixed_layout():
+    """Chat at 128 in flight asking 500/20 ms (1P3D best), 16000-token documents asking 4000/15 (3P1D best), chat again: under
+    one pair for all, the documents were judged by a TTFT no layout reaches and the planner flipped away from 3P1D mid-phase
+    on 0.09 predicted against 0. Sized for what each phase asks, it follows 1P3D -> 3P1D -> 1P3D and serves more than any
+    fixed layout over the whole run."""
+    chat = lambda seed: parse_phase("1000/512@128x768:500/20", seed)  # noqa: E731
+    phases = [chat(0), parse_phase("16000/256@32x256:4000/15", 1), chat(2)]
+    run, whole, each = compare(H100, 4, phases, SLO(500, 20), period_s=2.0, window_s=10.0, margin=0.1)
+    assert [c.layout for c in run.changes] == ["1P3D", "3P1D", "1P3D"], run.changes
+    planner, fixed = whole[0].goodput_per_gpu, {p.layout: p.goodput_per_gpu for p in whole[1:]}
+    assert planner >= 1.2 * max(fixed.values()), (planner, fixed)
+    assert [p.layout for p in each[1]] == ["planner", "4 replicas", "1P3D", "2P2D", "3P1D"]
+
+
+def test_under_a_split_sized_for_chat_documents_are_served_whole_until_the_planner_moves():
+    """Documents after chat: their first wave arrives under 1P3D, sized for 1000-token prompts. Split, all 32 prefill on the
+    one prefiller; whole (more than twice the longest tenth of the chat), on all four workers: the documents' phase at 0.90x
+    3P1D's own goodput (split, 0.83x)."""
+    assert decide(H100, _traffic(1000, 512, 128), SLO(500, 20), 4, FLEX4, 0.1).split_prompts == Lengths(500, 2000)
+    phases = [parse_phase("1000/512@128x768:500/20", 0), parse_phase("16000/256@32x256:4000/15", 1)]
+    _, _, each = compare(H100, 4, phases, SLO(500, 20), period_s=2.0, window_s=10.0, margin=0.1)
+    documents = {p.layout: p.goodput_per_gpu for p in each[1]}
+    assert documents["planner"] >= 0.87 * documents["3P1D"], documents

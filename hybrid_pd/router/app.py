@@ -46,12 +46,14 @@ from hybrid_pd.router.planner import PEER_PATH, Planner
 from hybrid_pd.router.policies import PolicyContext, RequestInfo, make_policy
 from hybrid_pd.router.registry import Registry, Worker
 from hybrid_pd.router.relay import answer_whole, relay_answers
+from hybrid_pd.router.request_slo import TPOT_HEADER, TTFT_HEADER, request_slo, router_slo
 from hybrid_pd.router.route import decode_chunks, route_request
 from hybrid_pd.router.settings import RouterSettings
 from hybrid_pd.router.state import RouterState
 from hybrid_pd.sizing.traffic import TrafficWindow
 from hybrid_pd.router.upstream import AiohttpTransport, Upstream
 from hybrid_pd.sizing.profile import Profile, profile_path
+from hybrid_pd.sizing.workload import SLO
 
 __all__ = ["create_app", "RouterApp"]
 
@@ -225,6 +227,7 @@ async def _serve(state: RouterState, scope: Scope, receive: Receive, send: Send,
     """
     arrived = time.perf_counter()
     authorization, declared, request_id = "", None, None
+    targets: dict[bytes, bytes] = {}
     for name, value in scope["headers"]:  # names are lower case in ASGI; the first of repeated ones counts
         if name == b"authorization" and not authorization:
             authorization = value.decode("latin-1")
@@ -232,6 +235,8 @@ async def _serve(state: RouterState, scope: Scope, receive: Receive, send: Send,
             declared = value.decode("latin-1")
         elif name == b"x-request-id" and request_id is None:
             request_id = value.decode("latin-1")
+        elif name in (TTFT_HEADER, TPOT_HEADER):
+            targets.setdefault(name, value)
     request_id = request_id or uuid.uuid4().hex
     request_id_var.set(request_id)
     id_header = (b"x-request-id", request_id.encode("latin-1"))
@@ -241,7 +246,8 @@ async def _serve(state: RouterState, scope: Scope, receive: Receive, send: Send,
         body = await _read_body(receive, declared, state.settings.max_body_bytes) if scope["method"] == "POST" else None
         if route in GENERATION:
             assert body is not None  # generation paths are POST
-            await _generate(state, client, receive, body, scope["path"], route, request_id, id_header, arrived)
+            slo = request_slo(targets.get(TTFT_HEADER), targets.get(TPOT_HEADER), router_slo(state.settings))
+            await _generate(state, client, receive, body, scope["path"], route, request_id, id_header, arrived, slo)
         else:
             status, content = await forward(state, scope["path"], body, request_id)
             await _send_json(client.send, status, content, [id_header])
@@ -272,14 +278,16 @@ async def _generate(
     request_id: str,
     id_header: tuple[bytes, bytes],
     arrived: float,
+    slo: SLO,
 ) -> None:
-    """Route ``body`` and answer the client: whole, or relayed as a stream."""
+    """Route ``body`` and answer the client: whole, or relayed as a stream. ``slo``: the targets it asked for, which the
+    planner sizes for."""
     if state.inflight >= state.settings.max_concurrency:
         raise OpenAIError(429, f"the router is at its concurrency limit ({state.settings.max_concurrency})")
     state.inflight += 1
     # What the planner measures (hybrid_pd/sizing/traffic.py): the estimates now, the workers' counts when the answer is done.
     traffic, estimate, asked = state.planner.traffic, RequestInfo.from_body(body).est_tokens, _max_tokens(body)
-    traffic.started(arrived, estimate, asked)
+    traffic.started(arrived, estimate, asked, slo)
     usage: dict[str, Any] = {}
     try:
         # Until the answer is complete, nothing else reads from the client: a client that leaves

@@ -12,8 +12,8 @@ error: the decode worker prefills locally.
 Flexible workers take the roles the planner gives them (:mod:`hybrid_pd.router.planner`,
 ``roles`` by worker URL): one that prefills is left out of the decode candidates (unless no
 other is left), one that decodes gets its prompts from those that prefill, and one with no
-role serves whole requests. A prompt shorter than the planner's ``whole_below`` is served whole
-by any of them (:attr:`hybrid_pd.sizing.planner.Decision.whole_below` says why).
+role serves whole requests. A prompt outside the planner's ``split_prompts`` is served whole
+by any of them (:attr:`hybrid_pd.sizing.planner.Decision.split_prompts` says why).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from hybrid_pd.common.logs import kv
 from hybrid_pd.common.openai_errors import OpenAIError
 from hybrid_pd.router.decider import LocalReason, SplitReason, decide
 from hybrid_pd.sizing.planner import Role
+from hybrid_pd.sizing.workload import Lengths
 from hybrid_pd.router.policies import Policy, RequestInfo
 from hybrid_pd.router.registry import DECODERS, PREFILLERS, Registry, Worker, can_pair
 
@@ -50,7 +51,7 @@ class Pairing:
         self._decode_policy = decode_policy
         self._prefill_policy = prefill_policy
         self.roles: dict[str, Role] = {}  # flexible workers' roles by URL, the planner's; none: whole requests
-        self.whole_below = 0  # prompt tokens (estimated): shorter requests go whole to any flexible worker, the planner's
+        self.split_prompts: Lengths | None = None  # prompt tokens (estimated) the planner's split serves; others whole on any flexible worker
         self._min_tokens = min_tokens
         self._limit = per_worker_limit
 
@@ -66,14 +67,14 @@ class Pairing:
         under_limit = self._under_limit(available)
         if not under_limit:
             raise OpenAIError(429, "every decode worker is at its concurrency limit")
-        if request.est_tokens >= self.whole_below:
+        if self._split(request):
             under_limit = [w for w in under_limit if self.roles.get(w.url) != "prefill"] or under_limit
         return self._decode_policy.choose(under_limit, request)
 
     def prefill(self, decode: Worker, request: RequestInfo) -> PrefillChoice:
         """The prefill worker for ``request`` to be decoded on ``decode``, or why it is prefilled there."""
         candidates = {w.id: w for w in self._under_limit(compatible_prefills(self._registry, decode))}
-        planned = self.roles.get(decode.url) == "decode" and request.est_tokens >= self.whole_below
+        planned = self.roles.get(decode.url) == "decode" and self._split(request)
         prefillers = {w.id for w in candidates.values() if self.roles.get(w.url) == "prefill"} if planned else ()
         decision = decide(request.est_tokens, decode.role == "flex", list(candidates), self._min_tokens, prefillers)
         if not decision.split:
@@ -81,6 +82,11 @@ class Pairing:
                 log.info("no compatible prefill worker available, local prefill %s", kv(decode=decode.url))
             return PrefillChoice(None, decision.reason)
         return PrefillChoice(self._prefill_policy.choose([candidates[i] for i in decision.prefill], request), decision.reason)
+
+    def _split(self, request: RequestInfo) -> bool:
+        """Whether the planner's roles split ``request``: its prompt within the lengths they were sized for."""
+        bounds = self.split_prompts
+        return bounds is None or bounds.low <= request.est_tokens <= bounds.high
 
     def _under_limit(self, workers: Iterable[Worker]) -> list[Worker]:
         return [w for w in workers if w.inflight < self._limit]

@@ -40,13 +40,14 @@ from hybrid_pd.common.logs import kv
 from hybrid_pd.router.metrics import RouterMetrics
 from hybrid_pd.router.pairing import Pairing
 from hybrid_pd.router.registry import Registry
+from hybrid_pd.router.request_slo import router_slo
 from hybrid_pd.router.settings import RouterSettings
 from hybrid_pd.sizing.traffic import TrafficWindow, WindowView
 from hybrid_pd.router.upstream import Upstream
 from hybrid_pd.sizing.layouts import Layout
 from hybrid_pd.sizing.planner import ROLES, Decision, Role, Traffic, assign, decide
 from hybrid_pd.sizing.profile import Profile
-from hybrid_pd.sizing.simulate import SLO
+from hybrid_pd.sizing.workload import SLO, Lengths
 
 __all__ = ["PEER_PATH", "Planner", "layout_of"]
 
@@ -124,12 +125,11 @@ class Planner:
             return
         leader = min(deciding, key=lambda p: p["id"])
         self.leader = leader["id"]
-        roles, whole_below = leader.get("roles"), leader.get("whole_below")
-        whole_below = whole_below if isinstance(whole_below, int) else 0  # a peer's word, read once here
+        roles, bounds = leader.get("roles"), _bounds(leader.get("split_prompts"))  # a peer's word, read once here
         if isinstance(roles, dict) and roles != self.pairing.roles:
-            self.apply({str(url): role for url, role in roles.items() if role in ROLES}, f"from the leader {leader['id']}", whole_below)
+            self.apply({str(url): role for url, role in roles.items() if role in ROLES}, f"from the leader {leader['id']}", bounds)
         else:
-            self.pairing.whole_below = whole_below
+            self.pairing.split_prompts = bounds
 
     async def _peers(self, upstream: Upstream) -> list[dict[str, Any]]:
         """What every peer router that answers shares (:meth:`peer`); each name of ``--planner-peer`` asked at every address."""
@@ -153,7 +153,7 @@ class Planner:
         s = self.settings
         assert self.profile is not None
         current = layout_of(self.pairing.roles, workers)
-        slo = SLO(s.slo_ttft_ms or math.inf, s.slo_tpot_ms or math.inf)
+        slo = router_slo(s)
         loop = asyncio.get_running_loop()
         decision = await loop.run_in_executor(pool, decide, self.profile, traffic, slo, len(workers), current, s.planner_margin)
         self.decision = decision
@@ -161,21 +161,21 @@ class Planner:
             self.metrics.planner_predicted.labels(str(p.prefill)).set(p.goodput_per_gpu)
         if decision.moves and workers == self.flex():  # the workers did not change while it simulated
             decodes = {w.url: w.load.decodes for w in self.registry.role("flex")}
-            self.apply(assign(decision.layout, workers, self.pairing.roles, decodes), decision.why, decision.whole_below)
+            self.apply(assign(decision.layout, workers, self.pairing.roles, decodes), decision.why, decision.split_prompts)
         elif not decision.moves:
-            self.pairing.whole_below = decision.whole_below
+            self.pairing.split_prompts = decision.split_prompts
 
-    def apply(self, roles: dict[str, Role], why: str, whole_below: int = 0) -> None:
-        """Give the flexible workers ``roles`` (by URL; a worker not named serves whole requests), and shorter prompts than
-        ``whole_below`` to any of them; counted and logged."""
+    def apply(self, roles: dict[str, Role], why: str, split_prompts: Lengths | None = None) -> None:
+        """Give the flexible workers ``roles`` (by URL; a worker not named serves whole requests), and prompts outside
+        ``split_prompts`` whole to any of them (None: every prompt as the roles say); counted and logged."""
         before = layout_of(self.pairing.roles, self.flex())
         self.pairing.roles = dict(roles)
-        self.pairing.whole_below = whole_below
+        self.pairing.split_prompts = split_prompts
         after = layout_of(roles, self.flex())
         self.moves += 1
         self.metrics.planner_moves.inc()
         self.metrics.planner_prefillers.set(after.prefill)
-        log.info("planner roles %s", kv(before=before.name, after=after.name, roles=roles, whole_below=whole_below, why=why))
+        log.info("planner roles %s", kv(before=before.name, after=after.name, roles=roles, split_prompts=_json_bounds(split_prompts), why=why))
 
     def snapshot(self) -> dict[str, Any]:
         """What ``GET /planner`` shows: the roles by worker URL, the layout, and the last decision's predictions."""
@@ -186,7 +186,7 @@ class Planner:
             "leader": self.leader,
             "layout": layout_of(self.pairing.roles, workers).name,
             "roles": {w: self.pairing.roles.get(w, "whole") for w in workers},
-            "whole_below": self.pairing.whole_below,
+            "split_prompts": _json_bounds(self.pairing.split_prompts),
             "moves": self.moves,
         }
         if self.decision is not None:
@@ -204,16 +204,46 @@ class Planner:
             "id": self.id,
             "decides": self.decides,
             "roles": dict(self.pairing.roles),
-            "whole_below": self.pairing.whole_below,
-            "window": {"arrived": [[round(a, 3), p, o] for a, p, o in view.arrived], "inflight": [[round(a, 3), n] for a, n in view.inflight]},
+            "split_prompts": _json_bounds(self.pairing.split_prompts),
+            "window": {"arrived": [[round(a, 3), p, o, *_targets(slo)] for a, p, o, slo in view.arrived],
+                       "inflight": [[round(a, 3), n] for a, n in view.inflight]},
         }
+
+
+def _json_bounds(bounds: Lengths | None) -> list[int] | None:
+    """The prompt lengths a split serves as ``GET /planner`` and the peers show them: [low, high], or null for any."""
+    return None if bounds is None else [bounds.low, bounds.high]
+
+
+def _bounds(shown: Any) -> Lengths | None:
+    """:func:`_json_bounds` of a peer read back; None (every prompt split as the roles say) for anything else."""
+    if isinstance(shown, list) and len(shown) == 2 and all(isinstance(n, int) and not isinstance(n, bool) for n in shown) and shown[0] <= shown[1]:
+        return Lengths(shown[0], shown[1])
+    return None
+
+
+def _targets(slo: SLO | None) -> list[float | None]:
+    """A request's SLO pair as JSON carries it: null for no target (JSON has no infinity) or no pair asked."""
+    return [None, None] if slo is None else [None if math.isinf(t) else t for t in (slo.ttft_ms, slo.tpot_ms)]
+
+
+def _slo(ttft: float | None, tpot: float | None) -> SLO | None:
+    """:func:`_targets` read back."""
+    return None if ttft is None and tpot is None else SLO(math.inf if ttft is None else float(ttft), math.inf if tpot is None else float(tpot))
+
+
+def _arrival(age: Any, prompt: Any, output: Any, *targets: Any) -> tuple[float, int, int, SLO | None]:
+    """One arrival of a peer's window: its age, lengths and, since peers share it, the SLO pair it asked for."""
+    if len(targets) not in (0, 2):
+        raise ValueError(f"an arrival of {3 + len(targets)} fields")
+    return float(age), int(prompt), int(output), _slo(*targets) if targets else None
 
 
 def _view(window: Any) -> WindowView | None:
     """A peer's window from its JSON (:meth:`Planner.peer`); None for one this router cannot read (a peer of another version:
-    the others' traffic is still sized for)."""
+    the others' traffic is still sized for). Arrivals without their SLO pair (a peer from before it was shared) asked none."""
     try:
-        arrived = tuple((float(a), int(p), int(o)) for a, p, o in window["arrived"])
+        arrived = tuple(_arrival(*entry) for entry in window["arrived"])
         return WindowView(arrived, tuple((float(a), int(n)) for a, n in window["inflight"]))
     except (TypeError, ValueError, KeyError):
         return None

@@ -186,12 +186,14 @@ def _run_phases(args: argparse.Namespace, profiles: dict) -> int:
     defaults = RouterSettings.model_fields  # the planner as the router runs it by default
     period, window, margin = (defaults[f"planner_{name}"].default for name in ("interval_s", "window_s", "margin"))
     slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms)
-    run, predictions = compare(profiles[1], args.gpus[0], phases, slo, period, window, margin)
-    print(format_phases(predictions, run.changes, args.phases, slo))
+    run, predictions, each = compare(profiles[1], args.gpus[0], phases, slo, period, window, margin)
+    print(format_phases(predictions, each, run.changes, phases, slo))
     if args.json_out is not None:
         args.json_out.parent.mkdir(parents=True, exist_ok=True)
         out = {"profile": profiles[1].model_dump(mode="json"), "phases": args.phases, "slo_ms": {"ttft": slo.ttft_ms, "tpot": slo.tpot_ms},
                "planner": {"interval_s": period, "window_s": window, "margin": margin},
-               "changes": [asdict(c) for c in run.changes], "predictions": [p.to_json() for p in predictions]}  # fmt: skip
+               "changes": [asdict(c) for c in run.changes], "predictions": [p.to_json() for p in predictions],
+               "phase_predictions": [{"phase": text, "slo_ms": str(phase.slo or slo), "predictions": [p.to_json() for p in figures]}
+                                     for text, phase, figures in zip(args.phases.split(","), phases, each, strict=True)]}  # fmt: skip
         args.json_out.write_text(json.dumps(out, indent=1) + "\n")
     return 0

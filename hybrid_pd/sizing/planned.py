@@ -10,7 +10,8 @@ CPU, against the fixed layouts under the same traffic, before any GPU run.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -60,14 +61,14 @@ def simulate_planner(
         for at_ms, arrival, r in sorted(events, key=lambda e: (e[0], e[1])):
             if arrival:
                 started.add(r.id)
-                window.started(at_ms / 1e3, r.prompt, r.output)
+                window.started(at_ms / 1e3, r.prompt, r.output, r.slo or slo)  # as the router resolves a request's x-slo-* headers
             else:
                 window.ended(at_ms / 1e3, r.prompt, r.output, r.prompt, r.output)
         traffic = window.summary(now_ms / 1e3)
         if traffic is None or traffic.requests < 2 * workers:
             return None
         decision: Decision = decide(profile, traffic, slo, workers, layout, margin)
-        sim.whole_below = decision.whole_below
+        sim.split_prompts = decision.split_prompts
         if not decision.moves:
             return None
         layout = decision.layout
@@ -84,9 +85,18 @@ def simulate_planner(
 
 def compare(
     profile: Profile, workers: int, phases: Sequence[Workload], slo: SLO, period_s: float, window_s: float, margin: float
-) -> tuple[PlannedRun, list[Prediction]]:
-    """The planner's run and its figures first (layout ``planner``), then every fixed layout of ``workers`` GPUs under the same phases."""
+) -> tuple[PlannedRun, list[Prediction], list[list[Prediction]]]:
+    """The planner's run; its figures first (layout ``planner``), then every fixed layout's of ``workers`` GPUs under the same
+    phases: over the whole run, and of each phase (in the same order), as the GPU runner's phase table gives them."""
     run = simulate_planner(profile, workers, phases, slo, period_s, window_s, margin)
-    planner = summarize(Layout("flex", 0, workers), run.outcomes, slo)
-    fixed = [summarize(layout, simulate_fixed(profile, layout, phases), slo) for layout in layouts(workers) if layout.kind != "flex"]
-    return run, [replace(planner, layout="planner", kind="planner"), *fixed]
+    served = [(Layout("flex", 0, workers), run.outcomes)]
+    served += [(layout, simulate_fixed(profile, layout, phases)) for layout in layouts(workers) if layout.kind != "flex"]
+
+    def figures(outcomes_of: Callable[[list[Outcome]], list[Outcome]]) -> list[Prediction]:
+        rows = [summarize(layout, outcomes_of(outcomes), slo) for layout, outcomes in served]
+        return [replace(rows[0], layout="planner", kind="planner"), *rows[1:]]
+
+    ends = list(itertools.accumulate(phase.num_prompts for phase in phases))  # request ids run on across phases
+    each = [figures(lambda outcomes, lo=end - phase.num_prompts, hi=end: [o for o in outcomes if lo <= o.request.id < hi])
+            for phase, end in zip(phases, ends, strict=True)]  # fmt: skip
+    return run, figures(lambda outcomes: outcomes), each

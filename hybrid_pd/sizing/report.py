@@ -45,19 +45,26 @@ def format_table(predictions: list[Prediction], workload: Workload, slo: SLO) ->
     return "\n".join(lines)
 
 
-def format_phases(predictions: list[Prediction], changes: list, phases: str, slo: SLO) -> str:
-    """The planner's run against the fixed layouts under one phase-shifting traffic (its first row), then the planner's moves."""
-    columns = ("layout", "req/s", "goodput /GPU", "vs replicas", "within SLO", "TTFT p50", "TPOT p50")
-    replicas = next((p.goodput_per_gpu for p in predictions if p.kind == "replicas"), 0.0)
-    rows = [
-        (p.layout, f"{p.throughput_rps:.2f}", f"{p.goodput_per_gpu:.2f}", f"{p.goodput_per_gpu / replicas:.2f}x" if replicas else "-",
-         f"{p.slo_met:.0%}", f"{p.ttft_p50_ms:.0f}", f"{p.tpot_p50_ms:.1f}")
-        for p in predictions
-    ]  # fmt: skip
-    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
-    lines = [f"phases {phases}, one after the other; goodput: TTFT <= {slo.ttft_ms:g} ms and TPOT <= {slo.tpot_ms:g} ms; every figure is simulated",
+def format_phases(predictions: list[Prediction], each: list[list[Prediction]], changes: list, phases: list[Workload], slo: SLO) -> str:
+    """The planner's run against the fixed layouts under one phase-shifting traffic (its first row), whole and phase by phase
+    (``each``), then the planner's moves. A phase is judged by the SLO its requests ask for, else ``slo``."""
+    columns = ("phase", "SLO", "layout", "req/s", "goodput /GPU", "vs replicas", "within SLO", "TTFT p50", "TPOT p50")
+
+    def rows(label: str, targets: str, figures: list[Prediction]) -> list[tuple[str, ...]]:
+        replicas = next((p.goodput_per_gpu for p in figures if p.kind == "replicas"), 0.0)
+        return [
+            (label, targets, p.layout, f"{p.throughput_rps:.2f}", f"{p.goodput_per_gpu:.2f}",
+             f"{p.goodput_per_gpu / replicas:.2f}x" if replicas else "-", f"{p.slo_met:.0%}", f"{p.ttft_p50_ms:.0f}", f"{p.tpot_p50_ms:.1f}")
+            for p in figures
+        ]  # fmt: skip
+
+    table = [r for i, (phase, figures) in enumerate(zip(phases, each, strict=True)) for r in rows(str(i + 1), str(phase.slo or slo), figures)]
+    table += rows("all", ", ".join(dict.fromkeys(str(phase.slo or slo) for phase in phases)), predictions)
+    widths = [max(len(c), *(len(r[i]) for r in table)) for i, c in enumerate(columns)]
+    named = ",".join(f"{p.input_len}/{p.output_len}@{p.concurrency}x{p.num_prompts}" for p in phases)
+    lines = [f"phases {named}, one after the other; goodput: each request within its phase's SLO; every figure is simulated",
              "  ".join(c.rjust(w) for c, w in zip(columns, widths, strict=True))]  # fmt: skip
-    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in table]
     lines += [f"planner moves: {len(changes)}"] + [f"  at {c.at_s:.1f} s: {c.why}" for c in changes]
     return "\n".join(lines)
 

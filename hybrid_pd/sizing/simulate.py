@@ -51,18 +51,9 @@ from hybrid_pd.router.settings import RouterSettings
 from hybrid_pd.sizing.engine import Engine, Job, Step
 from hybrid_pd.sizing.layouts import Layout, layouts
 from hybrid_pd.sizing.profile import Profile, Profiles
-from hybrid_pd.sizing.workload import Request, Workload
+from hybrid_pd.sizing.workload import SLO, Lengths, Request, Workload
 
 __all__ = ["SLO", "Outcome", "Prediction", "Tick", "check_fits", "predict", "predict_many", "simulate", "simulate_fixed", "simulate_flex", "size", "summarize"]
-
-
-@dataclass(frozen=True)
-class SLO:
-    ttft_ms: float
-    tpot_ms: float
-
-    def __str__(self) -> str:
-        return f"{self.ttft_ms:g}/{self.tpot_ms:g}"
 
 
 @dataclass(frozen=True)
@@ -111,9 +102,10 @@ class Prediction:
 
 
 def summarize(layout: Layout, outcomes: list[Outcome], slo: SLO) -> Prediction:
-    """The benchmark's figures: the duration runs from the first request sent to the last one done."""
+    """The benchmark's figures: the duration runs from the first request sent to the last one done; a request is good within
+    the targets it asked for (:attr:`Request.slo`, a phase's), else within ``slo``."""
     duration_s = (max(o.done_ms for o in outcomes) - min(o.sent_ms for o in outcomes)) / 1e3
-    good = sum(1 for o in outcomes if o.ttft_ms <= slo.ttft_ms and o.tpot_ms <= slo.tpot_ms)
+    good = sum(1 for o in outcomes if o.ttft_ms <= (o.request.slo or slo).ttft_ms and o.tpot_ms <= (o.request.slo or slo).tpot_ms)
     ttft, tpot = [o.ttft_ms for o in outcomes], [o.tpot_ms for o in outcomes]
     return Prediction(
         layout=layout.name,
@@ -283,7 +275,7 @@ class _Simulation:
         self.engines = [Engine(prefill) for _ in range(split)] + [Engine(decode) for _ in range(layout.decode)]
         self.loads = [_Load() for _ in self.engines]
         self.prefillers, self.decoders = list(range(split)), list(range(split, len(self.engines)))
-        self.whole_below = 0  # under a split, shorter prompts go whole to any worker (the planner's Decision.whole_below)
+        self.split_prompts: Lengths | None = None  # under a split, other prompts go whole to any worker (the planner's Decision.split_prompts)
         self.tick = tick
         self.events: list[tuple[float, int, Callable[[float, Any], None], Any]] = []
         self.order = itertools.count()  # ties in time go in the order they were scheduled
@@ -350,7 +342,8 @@ class _Simulation:
 
     def _send(self, now: float, r: Request) -> None:
         p, bt = self.decode_profile, self.block_tokens
-        split = self.split and r.prompt >= self.whole_below
+        bounds = self.split_prompts
+        split = self.split and (bounds is None or bounds.low <= r.prompt <= bounds.high)
         arrive = now + (self.prefill_profile if split else p).prompt_latency_ms_at(r.prompt)
         reuses = r.earlier_prompt and not self.phases[0].salted
         home_decode, home_prefill = self.homes.get(r.conversation, (None, None)) if reuses else (None, None)

@@ -18,6 +18,10 @@ arrivals outnumber the old ones in the older part of the window, no shift shows,
 sizes for the mix again (simulated, chat -> documents -> chat on four H100s flipped to 3P1D and
 back within 4 s of the second chat phase).
 
+Each arrival keeps the SLO pair its request asked for (the router's when it named none), and the
+summary sizes for the pair most asked (:func:`~hybrid_pd.sizing.planner.traffic_of`); another pair
+most asked in the last ``recent_s`` is a shift too (the same chat, now with a looser target).
+
 Several routers in front of the same workers each see part of the traffic; the one that decides
 sizes for all of it: each shares its window as ages (:meth:`TrafficWindow.view`, lengths already
 corrected) and :meth:`TrafficWindow.merged` makes one window of them, the requests in flight summed.
@@ -35,7 +39,8 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
-from hybrid_pd.sizing.planner import Traffic, traffic_of
+from hybrid_pd.sizing.planner import Traffic, most_asked, traffic_of
+from hybrid_pd.sizing.workload import SLO
 
 __all__ = ["SHIFT", "TrafficWindow", "WindowView"]
 
@@ -49,7 +54,7 @@ SHIFT = 2.0
 class WindowView:
     """One router's window as it shares it with its peers: times as seconds before now, lengths corrected by its ratios."""
 
-    arrived: tuple[tuple[float, int, int], ...]  # (seconds ago, prompt tokens, output tokens)
+    arrived: tuple[tuple[float, int, int, SLO | None], ...]  # (seconds ago, prompt tokens, output tokens, SLO asked)
     inflight: tuple[tuple[float, int], ...]  # (seconds ago, requests in flight from then on), oldest first
 
 
@@ -61,16 +66,17 @@ class TrafficWindow:
     recent_s: float  # the part a shift is looked for in: the planner's period
     prompt_ratio: float = 1.0  # prompt tokens counted / estimated from the text
     output_ratio: float = 1.0  # completion tokens counted / max_tokens asked
-    _arrived: deque[tuple[float, int, int]] = field(default_factory=deque)  # (when, estimated prompt tokens, max_tokens)
+    _arrived: deque[tuple[float, int, int, SLO | None]] = field(default_factory=deque)  # (when, estimated prompt tokens, max_tokens, SLO)
     _changes: deque[tuple[float, int]] = field(default_factory=deque)  # (when, requests in flight from then on)
     _inflight: int = 0
     _counted: bool = False  # an answer's usage has set the ratios
     _phase_start: float = -math.inf  # where the last shift was seen: what came before is another phase
 
-    def started(self, now: float, prompt_estimate: int, max_tokens: int) -> None:
+    def started(self, now: float, prompt_estimate: int, max_tokens: int, slo: SLO | None = None) -> None:
+        """A request arrived, asking for ``slo`` (None: no pair of its own)."""
         self._inflight += 1
         self._changes.append((now, self._inflight))
-        self._arrived.append((now, max(1, prompt_estimate), max(1, max_tokens)))
+        self._arrived.append((now, max(1, prompt_estimate), max(1, max_tokens), slo))
 
     def ended(self, now: float, prompt_estimate: int, max_tokens: int, prompt_tokens: int | None, completion_tokens: int | None) -> None:
         """A request left; its usage, when it told the tokens (a failed or refused one tells nothing), corrects the estimates."""
@@ -85,14 +91,14 @@ class TrafficWindow:
     def view(self, now: float) -> WindowView:
         """The window as a peer merges it (:meth:`merged`)."""
         self._forget(now - self.seconds)
-        arrived = tuple((now - when, round(p * self.prompt_ratio), round(o * self.output_ratio)) for when, p, o in self._arrived)
+        arrived = tuple((now - when, round(p * self.prompt_ratio), round(o * self.output_ratio), slo) for when, p, o, slo in self._arrived)
         return WindowView(arrived, tuple((now - when, inflight) for when, inflight in self._changes))
 
     @classmethod
     def merged(cls, views: list[WindowView], seconds: float, recent_s: float, now: float) -> TrafficWindow:
         """One window of several routers' views at ``now``: every arrival, and the requests in flight of all of them summed."""
         window = cls(seconds, recent_s)
-        window._arrived.extend(sorted((now - age, p, o) for view in views for age, p, o in view.arrived))
+        window._arrived.extend(sorted(((now - age, p, o, slo) for view in views for age, p, o, slo in view.arrived), key=lambda a: a[0]))
         levels = [0] * len(views)
         for age, i, inflight in sorted(((age, i, n) for i, view in enumerate(views) for age, n in view.inflight), key=lambda c: -c[0]):
             levels[i] = inflight
@@ -113,7 +119,7 @@ class TrafficWindow:
             start = self._phase_start = now - self.recent_s
         if now <= start:
             return None
-        arrived = [(round(p * self.prompt_ratio), round(o * self.output_ratio)) for when, p, o in self._arrived if when >= start]
+        arrived = [(round(p * self.prompt_ratio), round(o * self.output_ratio), slo) for when, p, o, slo in self._arrived if when >= start]
         return traffic_of(arrived, self._mean_inflight(start, now), now - start)
 
     def _forget(self, since: float) -> None:
@@ -124,11 +130,14 @@ class TrafficWindow:
             self._changes.popleft()
 
     def _shifted(self, boundary: float, start: float) -> bool:
-        """Whether the arrivals after ``boundary`` differ from those between ``start`` and it by :data:`SHIFT` in median prompt or output."""
-        older = [(p, o) for when, p, o in self._arrived if start <= when < boundary]
-        newer = [(p, o) for when, p, o in self._arrived if when >= boundary]
+        """Whether the arrivals after ``boundary`` differ from those between ``start`` and it by :data:`SHIFT` in median prompt or
+        output, or in the SLO pair most asked."""
+        older = [(p, o, slo) for when, p, o, slo in self._arrived if start <= when < boundary]
+        newer = [(p, o, slo) for when, p, o, slo in self._arrived if when >= boundary]
         if not older or not newer:
             return False
+        if most_asked(slo for _, _, slo in newer) != most_asked(slo for _, _, slo in older):
+            return True
         for i in (0, 1):
             ratio = statistics.median(a[i] for a in newer) / statistics.median(a[i] for a in older)
             if ratio >= SHIFT or ratio <= 1 / SHIFT:

@@ -18,7 +18,7 @@ import math
 import random
 from dataclasses import dataclass
 
-__all__ = ["Lengths", "Request", "Workload", "default_prompts", "parse_phase"]
+__all__ = ["SLO", "Lengths", "Request", "Workload", "default_prompts", "parse_phase"]
 
 # Requests to simulate when not told: past the start's transient, at a bounded cost.
 MIN_PROMPTS, WAVES, SECONDS = 200, 5, 60
@@ -27,6 +27,29 @@ MIN_PROMPTS, WAVES, SECONDS = 200, 5, 60
 def default_prompts(concurrency: int | None, rate: float | None) -> int:
     """Five closed-loop waves (``concurrency`` each), or a minute of arrivals at ``rate``; at least 200."""
     return max(MIN_PROMPTS, WAVES * concurrency if concurrency is not None else math.ceil(SECONDS * (rate or 0)))
+
+
+@dataclass(frozen=True)
+class SLO:
+    """The targets a request is judged by: its time to first token and its time per output token, in ms."""
+
+    ttft_ms: float
+    tpot_ms: float
+
+    def __str__(self) -> str:
+        return f"{self.ttft_ms:g}/{self.tpot_ms:g}"
+
+    @classmethod
+    def parse(cls, text: str) -> SLO:
+        """``TTFT/TPOT`` in ms, each above 0 (``500/20``)."""
+        ttft, _, tpot = text.partition("/")
+        try:
+            slo = cls(float(ttft), float(tpot))
+        except ValueError:
+            slo = cls(0, 0)
+        if not (slo.ttft_ms > 0 and slo.tpot_ms > 0):
+            raise ValueError(f"{text!r}: give the SLO as TTFT/TPOT in ms, each above 0, e.g. 500/20")
+        return slo
 
 
 @dataclass(frozen=True)
@@ -68,6 +91,7 @@ class Request:
     conversation: int | None = None
     earlier_prompt: int = 0
     earlier_output: int = 0
+    slo: SLO | None = None  # the targets this request asks for (a phase's); None: the run's
 
 
 @dataclass(frozen=True)
@@ -81,6 +105,7 @@ class Workload:
     turns: int = 1  # requests per conversation; 1: independent requests
     system_len: int = 0  # multi-turn: each conversation's system prompt, before its first user message
     salted: bool = False  # multi-turn: every request with a cache salt of its own (hybrid_pd.bench.multiturn --cache-salt): no hit
+    slo: SLO | None = None  # the targets its requests ask for (a phase's, as the x-slo-* headers say); None: the run's
 
     def __post_init__(self) -> None:
         if (self.concurrency is None) == (self.rate is None):
@@ -107,7 +132,7 @@ class Workload:
             if self.rate is not None:
                 sent = t
                 t += rng.expovariate(self.rate)
-            out.append(Request(i, self.input_len.draw(rng), self.output_len.draw(rng), sent))
+            out.append(Request(i, self.input_len.draw(rng), self.output_len.draw(rng), sent, slo=self.slo))
         return out
 
     def _conversations(self) -> list[Request]:
@@ -118,7 +143,7 @@ class Workload:
             history, earlier_prompt, earlier_output = self.system_len, 0, 0
             for _ in range(self.turns):
                 prompt, output = history + self.input_len.draw(rng), self.output_len.draw(rng)
-                out.append(Request(len(out), prompt, output, None, conversation, earlier_prompt, earlier_output))
+                out.append(Request(len(out), prompt, output, None, conversation, earlier_prompt, earlier_output, self.slo))
                 history, earlier_prompt, earlier_output = prompt + output, prompt, output
         return out
 
@@ -130,9 +155,12 @@ class Workload:
 
 
 def parse_phase(text: str, seed: int) -> Workload:
-    """One closed-loop phase of a traffic that changes, ``IN/OUT@C[xN]``: prompt and output tokens (each N or LOW-HIGH),
-    C requests in flight, N requests (default :func:`default_prompts`); e.g. ``16000/256@32x192``. ValueError names the form."""
-    form = f"{text!r}: give a phase as IN/OUT@C[xN], e.g. 1000/512@64x384 (IN and OUT: N or LOW-HIGH tokens)"
+    """One closed-loop phase of a traffic that changes, ``IN/OUT@C[xN][:TTFT/TPOT]``: prompt and output tokens (each N or
+    LOW-HIGH), C requests in flight, N requests (default :func:`default_prompts`), and the SLO its requests ask for (default:
+    the run's); e.g. ``16000/256@32x192:4000/15``. ValueError names the form."""
+    form = f"{text!r}: give a phase as IN/OUT@C[xN][:TTFT/TPOT], e.g. 1000/512@64x384:500/20 (IN and OUT: N or LOW-HIGH tokens)"
+    text, _, targets = text.partition(":")
+    slo = SLO.parse(targets) if targets else None
     lengths, _, load = text.partition("@")
     inputs, _, outputs = lengths.partition("/")
     concurrency, _, count = load.partition("x")
@@ -141,6 +169,6 @@ def parse_phase(text: str, seed: int) -> Workload:
         n = int(count) if count else default_prompts(c, None)
         if c < 1 or n < 1:
             raise ValueError
-        return Workload(Lengths.parse(inputs), Lengths.parse(outputs), n, concurrency=c, seed=seed)
+        return Workload(Lengths.parse(inputs), Lengths.parse(outputs), n, concurrency=c, seed=seed, slo=slo)
     except ValueError:
         raise ValueError(form) from None

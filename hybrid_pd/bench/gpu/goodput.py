@@ -39,7 +39,8 @@ systems whose router learns from the traffic (``planner``, ``adaptive``) first g
 ``--settle-prompts-per-in-flight`` times the requests in flight of other prompts of the same
 traffic through that router, unmeasured (their summary is kept beside the run's).
 ``--phases`` is phase-shifting traffic: the points in turn, back to back, against one router per
-system (a router that takes SLOs keeps the first phase's pair), and the goodput of each phase and
+system (a router that takes SLOs has the first phase's pair as its own; every request asks for its
+phase's in the ``x-slo-ttft-ms``/``x-slo-tpot-ms`` headers, which the planner sizes for), and the goodput of each phase and
 of the whole run (each request judged by its phase's SLO). Goodput counts a request when TTFT and TPOT both hold (TPOT = (latency - TTFT) / (output
 tokens - 1), as vLLM computes it), divided by N per GPU, for the point's SLO and every ``--slo``.
 Each run keeps the router's decisions (``hybrid_pd_fallbacks_total``,
@@ -81,6 +82,7 @@ from hybrid_pd.bench.timeline import ROUTER_SPANS, load_events, router_spans
 from hybrid_pd.common.processes import free_port, spawn, stop_group, wait_http_ok
 from hybrid_pd.common.prom import metric_sum
 from hybrid_pd.router.health import wait_routed
+from hybrid_pd.router.request_slo import TPOT_HEADER, TTFT_HEADER
 
 NAME = "hybrid-gpu"
 SLO_FLAGS = ("--slo-ttft-ms", "--slo-tpot-ms")
@@ -494,7 +496,8 @@ def router(name: str, urls: dict[str, str], slo: tuple[float, float], args: argp
 
 
 def vllm_bench(url: str, point: Point, prompts: int, seed: int, out: Path, args: argparse.Namespace) -> dict[str, Any]:
-    """One ``vllm bench serve`` run of ``point``, in this process, against ``url``; vLLM's detailed result."""
+    """One ``vllm bench serve`` run of ``point``, in this process, against ``url``; vLLM's detailed result. Every request asks
+    for the point's SLO pair in the headers the router's planner reads (:mod:`hybrid_pd.router.request_slo`)."""
     from vllm.benchmarks.serve import add_cli_args
     from vllm.benchmarks.serve import main as bench_main
 
@@ -511,7 +514,8 @@ def vllm_bench(url: str, point: Point, prompts: int, seed: int, out: Path, args:
             "--random-output-len", str(point.output_len), "--random-range-ratio", f"{args.random_range_ratio:g}",
             "--ignore-eos", "--max-concurrency", str(point.level), "--num-prompts", str(prompts), "--seed", str(seed),
             "--goodput", f"ttft:{ttft:g}", f"tpot:{tpot:g}", "--percentile-metrics", "ttft,tpot,itl,e2el", "--save-result",
-            "--save-detailed", "--result-dir", str(out.parent), "--result-filename", out.name, "--disable-tqdm"]  # fmt: skip
+            "--save-detailed", "--result-dir", str(out.parent), "--result-filename", out.name, "--disable-tqdm",
+            "--header", f"{TTFT_HEADER.decode()}={ttft:g}", f"{TPOT_HEADER.decode()}={tpot:g}"]  # fmt: skip
     bench_main(parser.parse_args(argv))
     return json.loads(out.read_text())
 
@@ -642,12 +646,12 @@ def _progress(row: dict[str, Any]) -> str:
 def run_phases(name: str, state: dict[str, Any], args: argparse.Namespace) -> bool:
     """System ``name`` through every phase of ``--phases``, back to back, behind one router; writes ``phases/<name>.row.json``.
 
-    The router is started once, so a router that takes SLOs serves the first phase's pair all
-    along (``router_slo``), while each phase is judged at its own. False when a phase failed (the
+    The router is started once, with the first phase's pair as its own (``router_slo``); each
+    phase's requests ask for theirs in headers, and each phase is judged at its own. False when a phase failed (the
     row then keeps the phases before it and the error).
     """
     out = args.out / "phases"
-    router_slo = args.phases_router_slo or args.phases[0].target(args)
+    router_slo = args.phases[0].target(args)
     run_row: dict[str, Any] = {"system": name, "phases": [], "random_range_ratio": args.random_range_ratio, "router_slo": slo_label(router_slo)}
     parts = []
     try:
@@ -850,8 +854,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--levels", type=lambda s: [int(x) for x in s.split(",")], help="requests in flight (default with --workloads: 1,32)")
     ap.add_argument("--phases", type=_points, help="phase-shifting traffic: these points back to back through one router per system, e.g. "
                     "1000/512@64x480:500/20,16000/256@32x128:4000/15,1000/512@64x480:500/20")  # fmt: skip
-    ap.add_argument("--phases-router-slo", type=_slo, metavar="TTFT/TPOT", help="the routers' SLOs through the phases, the planner's targets "
-                    "(default: the first phase's); each phase is still judged at its own")  # fmt: skip
     ap.add_argument("--slo", action="append", type=_slo, help="TTFT/TPOT ms (repeatable; default 500/20 and 1500/50): the first is a point's "
                     "SLO where it names none; every pair is also reported")  # fmt: skip
     ap.add_argument("--random-range-ratio", type=float, default=0.0, help="vllm bench serve's: lengths uniform within +-this share (0: fixed)")
