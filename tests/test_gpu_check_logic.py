@@ -48,11 +48,14 @@ def test_sweep_plots_each_layout_from_its_summary(tmp_path):
     written = perf_sweep.plot_summary(summary, tmp_path)
     assert [p.name for p in written] == ["sweep-one-gpu.png", "sweep-two-gpu.png"]
     assert all(p.read_bytes().startswith(b"\x89PNG") for p in written)
+    # several prompt lengths in one run: one plot per length and layout
+    lengths = {"input_len": [1000, 8000], "output_len": 64, "sweeps": {"1000": {"layouts": {"one-gpu": {"1": level}}}, "8000": {"layouts": {"one-gpu": {"1": level}}}}}
+    assert [p.name for p in perf_sweep.plot_summary(lengths, tmp_path)] == ["sweep-one-gpu-1000.png", "sweep-one-gpu-8000.png"]
 
 
 def test_sweep_starts_only_the_servers_its_layouts_route_to_on_their_gpus(tmp_path):
     """A two-GPU run of an 8B model has no room (nor use) for the one-GPU layout's decode worker."""
-    args = argparse.Namespace(out=tmp_path, device="cuda", gpu_memory_utilization=0.3, kv_cache_gib=16)
+    args = argparse.Namespace(out=tmp_path, device="cuda", gpu_memory_utilization=0.3, kv_cache_gib=16, max_model_len=4096)
     servers, routers = perf_sweep._servers(args, ["two-gpu"], tmp_path / "model", None)
     assert {name: s["gpu"] for name, s in servers.items()} == {"prefill": 0, "decode1": 1, "colocated0": 0, "colocated1": 1}
     assert set(routers) == {"two-gpu", "two-gpu-baseline"}
@@ -62,7 +65,7 @@ def test_sweep_starts_only_the_servers_its_layouts_route_to_on_their_gpus(tmp_pa
 
 
 def test_sweep_with_the_timeline_traces_the_pd_workers_and_keeps_each_levels_budget(tmp_path):
-    args = argparse.Namespace(out=tmp_path, device="cuda", gpu_memory_utilization=0.2, kv_cache_gib=8)
+    args = argparse.Namespace(out=tmp_path, device="cuda", gpu_memory_utilization=0.2, kv_cache_gib=8, max_model_len=4096)
     servers, _ = perf_sweep._servers(args, ["one-gpu"], tmp_path / "model", tmp_path / "timeline")
     traced = {name for name, s in servers.items() if str(tmp_path / "timeline") in s["argv"]}
     assert traced == {"prefill", "decode0"}  # the colocated baseline is not traced
@@ -80,7 +83,7 @@ def test_sweep_variants_add_their_own_workers_and_router_beside_the_unchanged_pd
         ("await", ("--pull-await-us=1000",), None),
         ("sync", ("--vllm-arg=--no-async-scheduling",), ("--vllm-arg=--no-async-scheduling",)),
     ]
-    args = argparse.Namespace(out=tmp_path, device="cuda", gpu_memory_utilization=0.1, kv_cache_gib=4)
+    args = argparse.Namespace(out=tmp_path, device="cuda", gpu_memory_utilization=0.1, kv_cache_gib=4, max_model_len=4096)
     servers, routers = perf_sweep._servers(args, ["one-gpu"], tmp_path / "model", tmp_path / "timeline", variants)
     assert routers["one-gpu-await"] == (["prefill"], ["decode0-await"])  # shares the unchanged prefill
     assert routers["one-gpu-sync"] == (["prefill-sync"], ["decode0-sync"])
@@ -90,6 +93,16 @@ def test_sweep_variants_add_their_own_workers_and_router_beside_the_unchanged_pd
     assert "--vllm-arg=--no-async-scheduling" not in servers["prefill"]["argv"]
     assert all(str(tmp_path / "timeline") in servers[n]["argv"] for n in ("decode0-await", "prefill-sync", "decode0-sync"))
     assert perf_sweep._servers(args, ["two-gpu"], tmp_path / "model", None, variants)[1].keys() == {"two-gpu", "two-gpu-baseline"}
+
+
+def test_a_router_variant_routes_the_unchanged_workers_through_a_router_of_its_own(tmp_path):
+    """Issue #35: early decode legs (the default) against the legs one after the other, on the same prefill and decode workers."""
+    (variant,) = perf_sweep.parse_variants(["sequential:router=--no-early-decode"])
+    assert (variant.decode_flags, variant.prefill_flags, variant.router_flags) == (None, None, ("--no-early-decode",))
+    args = argparse.Namespace(out=tmp_path, device="cuda", gpu_memory_utilization=0.3, kv_cache_gib=4, max_model_len=9216)
+    servers, routers = perf_sweep._servers(args, ["one-gpu"], tmp_path / "model", tmp_path / "timeline", [variant])
+    assert set(servers) == {"prefill", "decode0", "colocated0"} and routers["one-gpu-sequential"] == (["prefill"], ["decode0"])
+    assert servers["decode0"]["argv"][servers["decode0"]["argv"].index("--max-model-len") + 1] == "9216"
 
 
 @pytest.mark.parametrize("text", ["await", "await:decode", "await:other=--x", ":decode=--x", "await:prefill=--x"])

@@ -26,15 +26,19 @@ and with UCX's defaults.
 Writes ``summary.json``, each level's bench JSON and the servers' logs to ``--out``, and
 ``sweep-<layout>.png`` when matplotlib is installed (``--plot-from summary.json`` redraws them).
 
-``--variant NAME:ROLE=FLAG,FLAG``: before/after in one run (one-gpu). A variant gets a decode
-worker of its own on GPU 0 with these extra worker flags (``NAME:decode=...``), and a prefill
-worker of its own where ``NAME:prefill=...`` is given too (else it shares the prefill), behind
-a router of its own; at every level it is benched against the unchanged P/D (same prompts,
-interleaved), after the P/D-vs-colocated bench, with ``--timeline`` budgets of both. Issue #12's
-cuts were measured so:
+``--variant NAME:ROLE=FLAG,FLAG``: before/after in one run (one-gpu). A variant gets a router of
+its own, with these extra flags where ``NAME:router=...`` is given; a decode worker of its own on
+GPU 0 with these extra worker flags where ``NAME:decode=...`` is (else it shares the decode
+worker), and likewise a prefill worker (``NAME:prefill=...``); at every level it is benched
+against the unchanged P/D (same prompts, interleaved), after the P/D-vs-colocated bench, with
+``--timeline`` budgets of both. Issue #35's early decode legs against the legs one after the
+other: ``--variant sequential:router=--no-early-decode``. Issue #12's cuts were measured so:
 
     python3 -m hybrid_pd.bench.gpu.perf_sweep --out results/ --layouts one-gpu --levels 1,32 --timeline \
         --variant await:decode=--pull-await-us=1000 --variant sync:decode=--vllm-arg=--no-async-scheduling
+
+``--input-len 1000,8000``: each prompt length in turn on the same servers (``--max-model-len`` must
+hold the longest); the summary keeps each length's sweep under ``sweeps``.
 
 ``--timeline``: the P/D routers and workers also record the hand-off timeline into
 ``<out>/timeline`` (``--timeline-dir``), and each level's bench prints and keeps its budget
@@ -85,16 +89,19 @@ LAYOUTS = {
 
 @dataclass(frozen=True)
 class Variant:
-    """A P/D pair changed by extra worker flags, measured against the unchanged one (``--variant``)."""
+    """A P/D pair changed by extra worker or router flags, measured against the unchanged one (``--variant``)."""
 
     name: str
-    decode_flags: tuple[str, ...]
+    decode_flags: tuple[str, ...] | None  # None: shares the unchanged decode worker
     prefill_flags: tuple[str, ...] | None  # None: shares the unchanged prefill
+    router_flags: tuple[str, ...] = ()
 
     @property
     def servers(self) -> dict[str, tuple[str, int, tuple[str, ...]]]:
         """{server name: (role, GPU, extra flags)} this variant adds."""
-        added = {f"decode0-{self.name}": ("decode", 0, self.decode_flags)}
+        added = {}
+        if self.decode_flags is not None:
+            added[f"decode0-{self.name}"] = ("decode", 0, self.decode_flags)
         if self.prefill_flags is not None:
             added[f"prefill-{self.name}"] = ("prefill", 0, self.prefill_flags)
         return added
@@ -102,29 +109,34 @@ class Variant:
     @property
     def legs(self) -> tuple[list[str], list[str]]:
         """(prefill names, decode names) behind the variant's router."""
-        return [f"prefill-{self.name}" if self.prefill_flags is not None else "prefill"], [f"decode0-{self.name}"]
+        return ([f"prefill-{self.name}" if self.prefill_flags is not None else "prefill"],
+                [f"decode0-{self.name}" if self.decode_flags is not None else "decode0"])  # fmt: skip
+
+
+VARIANT_ROLES = ("decode", "prefill", "router")
 
 
 def parse_variants(texts: list[str]) -> list[Variant]:
-    """``NAME:decode=FLAG,FLAG`` and ``NAME:prefill=FLAG,...`` entries, one Variant per name (each needs its decode entry)."""
+    """``NAME:decode=FLAG,FLAG``, ``NAME:prefill=...`` and ``NAME:router=...`` entries, one Variant per name (each needs its
+    decode or its router entry: a variant that changed neither would measure the unchanged pair against itself)."""
     flags: dict[str, dict[str, tuple[str, ...]]] = {}
     for text in texts:
         key, sep, value = text.partition("=")
         name, _, role = key.partition(":")
-        if not sep or not name or role not in ("decode", "prefill") or role in flags.get(name, {}):
-            raise ValueError(f"--variant {text!r}: want NAME:decode=FLAG[,FLAG...] or NAME:prefill=..., each once per name")
+        if not sep or not name or role not in VARIANT_ROLES or role in flags.get(name, {}):
+            raise ValueError(f"--variant {text!r}: want NAME:decode=FLAG[,FLAG...], NAME:prefill=... or NAME:router=..., each once per name")
         flags.setdefault(name, {})[role] = tuple(f for f in value.split(",") if f)
-    missing = [name for name, roles in flags.items() if "decode" not in roles]
+    missing = [name for name, roles in flags.items() if "decode" not in roles and "router" not in roles]
     if missing:
-        raise ValueError(f"--variant {missing[0]}: every variant needs NAME:decode=... (its own decode worker)")
-    return [Variant(name, roles["decode"], roles.get("prefill")) for name, roles in flags.items()]
+        raise ValueError(f"--variant {missing[0]}: every variant needs NAME:decode=... (its own decode worker) or NAME:router=...")
+    return [Variant(name, roles.get("decode"), roles.get("prefill"), roles.get("router", ())) for name, roles in flags.items()]
 
 
 def _servers(
     args: argparse.Namespace, layouts: list[str], model_dir: Path, timeline: Path | None, variants: list[Variant] = ()
 ) -> tuple[dict[str, dict], dict[str, tuple]]:
     """{name: {gpu, argv, url}} of the vLLM servers the layouts (and one-gpu variants) use and {router name: (prefill names, decode names)}; ``timeline``: P/D workers record there."""
-    common = ["--model", str(model_dir), "--served-model-name", NAME, "--device", args.device, "--max-model-len", "4096",
+    common = ["--model", str(model_dir), "--served-model-name", NAME, "--device", args.device, "--max-model-len", str(args.max_model_len),
               "--max-num-seqs", "64"]  # fmt: skip
     if args.device == "cuda":
         common += ["--gpu-memory-utilization", str(args.gpu_memory_utilization), "--kv-cache-memory-bytes", str(int(args.kv_cache_gib * (1 << 30)))]
@@ -151,10 +163,11 @@ def _decode_figures(urls: list[str]) -> dict[str, float]:
 
 
 def _bench(
-    args: argparse.Namespace, endpoint: str, baseline: str, level: int, prompts: int, seed: int, out: Path | None, timeline: Path | None = None
+    args: argparse.Namespace, input_len: int, endpoint: str, baseline: str, level: int, prompts: int, seed: int, out: Path | None,
+    timeline: Path | None = None,
 ) -> int:
     argv = cli("bench", "--endpoint", endpoint, "--baseline", baseline, "--concurrency", str(level),
-               "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--num-prompts", str(prompts),
+               "--input-len", str(input_len), "--output-len", str(args.output_len), "--num-prompts", str(prompts),
                "--slo-ttft-ms", SLO_TTFT_MS, "--slo-itl-ms", SLO_ITL_MS, "--seed", str(seed), "--warmup", "0")  # fmt: skip
     if out is not None:
         argv += ["--json", str(out)]
@@ -224,14 +237,16 @@ def plot_summary(summary: dict, out: Path) -> list[Path]:
         return Distribution(count=d["count"], mean=d["mean"] / 1e3, p50=d["p50"] / 1e3, p90=d["p90"] / 1e3, p99=d["p99"] / 1e3)
 
     written = []
-    for layout, levels in summary["layouts"].items():
-        series = {
-            label: [(float(c), _Latencies(*(dist(r[key][f]) for f in ("ttft_ms", "itl_ms", "e2e_ms")))) for c, r in levels.items()]
-            for key, label in (("pd", "P/D"), ("baseline", "colocated" if layout == "one-gpu" else "2 colocated"))
-        }
-        title = f"{layout}: {summary['input_len']} in / {summary['output_len']} out tokens"
-        plot_series(series, "concurrency", title, out / f"sweep-{layout}.png")
-        written.append(out / f"sweep-{layout}.png")
+    sweeps = summary.get("sweeps") or {str(summary["input_len"]): summary}  # a run of one prompt length before there were several
+    for input_len, sweep in sweeps.items():
+        for layout, levels in sweep["layouts"].items():
+            series = {
+                label: [(float(c), _Latencies(*(dist(r[key][f]) for f in ("ttft_ms", "itl_ms", "e2e_ms")))) for c, r in levels.items()]
+                for key, label in (("pd", "P/D"), ("baseline", "colocated" if layout == "one-gpu" else "2 colocated"))
+            }
+            path = out / (f"sweep-{layout}.png" if len(sweeps) == 1 else f"sweep-{layout}-{input_len}.png")
+            plot_series(series, "concurrency", f"{layout}: {input_len} in / {summary['output_len']} out tokens", path)
+            written.append(path)
     return written
 
 
@@ -241,7 +256,8 @@ def main() -> int:
     ap.add_argument("--layouts", default="one-gpu,two-gpu", help="one-gpu and/or two-gpu (needs 2 GPUs)")
     ap.add_argument("--levels", default="1,8,32,64", help="concurrency levels")
     ap.add_argument("--prompts-per-request-in-flight", type=int, default=4, help="prompts per level = this x level (at least 32)")
-    ap.add_argument("--input-len", type=int, default=1000)
+    ap.add_argument("--input-len", type=lambda s: [int(x) for x in s.split(",")], default=[1000], help="prompt tokens, or several in turn (1000,8000)")
+    ap.add_argument("--max-model-len", type=int, default=4096, help="per server; above the longest prompt and its output")
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--plot-from", type=Path, metavar="SUMMARY", help="only draw the plots of an earlier run's summary.json into --out")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a smoke run with the embedded model")
@@ -268,39 +284,42 @@ def main() -> int:
     for name, server in servers.items():
         procs[name] = spawn(server["argv"], env={"CUDA_VISIBLE_DEVICES": str(server["gpu"])}, log=args.out / f"{name}.log")
         urls[name] = server["url"]
+    router_flags = {f"one-gpu-{v.name}": list(v.router_flags) for v in variants}
     for name, (prefills, decodes) in routers.items():
         port = free_port()
-        argv = cli("router", "--port", str(port))
+        argv = cli("router", "--port", str(port), *router_flags.get(name, []))
         argv += ["--timeline-dir", str(timeline)] if timeline and prefills else []  # the P/D routers, not the baselines'
         argv += [a for p in prefills for a in ("--prefill", urls[p])] + [a for d in decodes for a in ("--decode", urls[d])]
         procs[name] = spawn(argv, log=args.out / f"router-{name}.log")
         urls[name] = f"http://127.0.0.1:{port}"
-    summary: dict = {"layouts": {}, "variants": {}, "levels": levels, "input_len": args.input_len, "output_len": args.output_len, "timeline": args.timeline,
+    summary: dict = {"sweeps": {}, "levels": levels, "input_len": args.input_len, "output_len": args.output_len, "timeline": args.timeline,
                      "model": str(model_dir), "config": json.loads((model_dir / "config.json").read_text())}  # fmt: skip
     try:
         summary["ready_s"] = wait_all_ready(procs, urls, args.out, started, timeout_s=600)
-        for layout in layouts:
-            decode_urls = [urls[d] for d in routers[layout][1]]
-            endpoint, baseline = urls[layout], urls[f"{layout}-baseline"]
-            # (name, router, baseline router, decode servers): P/D against colocated, then each variant against P/D
-            runs = [(layout, endpoint, baseline, decode_urls)]
-            if layout == "one-gpu":
-                runs += [(f"{layout}-{v.name}", urls[f"{layout}-{v.name}"], endpoint, [urls[d] for d in v.legs[1]]) for v in variants]
-            for _, router, against, _ in runs:
-                _bench(args, router, against, max(levels), 2 * max(levels), seed=1000, out=None)  # warm-up, discarded
-            results: dict[str, dict] = {name: {} for name, *_ in runs}
-            for level in levels:
-                for name, router, against, decodes in runs:
-                    before = _decode_figures(decodes)
-                    report = args.out / f"{name}-c{level}.json"
-                    prompts = max(32, args.prompts_per_request_in_flight * level)
-                    code = _bench(args, router, against, level, prompts, level, report, timeline)
-                    time.sleep(11)  # vLLM publishes NIXL stats once per logging interval
-                    after = _decode_figures(decodes)
-                    results[name][level] = {"bench_exit_code": code, **_level_summary(report, {k: after[k] - before[k] for k in after})}
-                    print(name, level, json.dumps({k: v for k, v in results[name][level].items() if k not in ("pd", "baseline")}), flush=True)
-            summary["layouts"][layout] = results.pop(layout)
-            summary["variants"] |= {name.removeprefix(f"{layout}-"): r for name, r in results.items()}
+        for input_len in args.input_len:
+            sweep = summary["sweeps"][str(input_len)] = {"layouts": {}, "variants": {}}
+            for layout in layouts:
+                decode_urls = [urls[d] for d in routers[layout][1]]
+                endpoint, baseline = urls[layout], urls[f"{layout}-baseline"]
+                # (name, router, baseline router, decode servers): P/D against colocated, then each variant against P/D
+                runs = [(layout, endpoint, baseline, decode_urls)]
+                if layout == "one-gpu":
+                    runs += [(f"{layout}-{v.name}", urls[f"{layout}-{v.name}"], endpoint, [urls[d] for d in v.legs[1]]) for v in variants]
+                for _, router, against, _ in runs:
+                    _bench(args, input_len, router, against, max(levels), 2 * max(levels), seed=1000, out=None)  # warm-up, discarded
+                results: dict[str, dict] = {name: {} for name, *_ in runs}
+                for level in levels:
+                    for name, router, against, decodes in runs:
+                        before = _decode_figures(decodes)
+                        report = args.out / f"{name}-{input_len}-c{level}.json"
+                        prompts = max(32, args.prompts_per_request_in_flight * level)
+                        code = _bench(args, input_len, router, against, level, prompts, level, report, timeline)
+                        time.sleep(11)  # vLLM publishes NIXL stats once per logging interval
+                        after = _decode_figures(decodes)
+                        results[name][level] = {"bench_exit_code": code, **_level_summary(report, {k: after[k] - before[k] for k in after})}
+                        print(name, input_len, level, json.dumps({k: v for k, v in results[name][level].items() if k not in ("pd", "baseline")}), flush=True)
+                sweep["layouts"][layout] = results.pop(layout)
+                sweep["variants"] |= {name.removeprefix(f"{layout}-"): r for name, r in results.items()}
     finally:
         for proc in procs.values():
             stop_group(proc, grace_s=10)

@@ -13,6 +13,9 @@ for slo in "4000 15" "500 20" "4000 10"; do
   hybrid-pd size --profile $four --gpus 4 --slo-ttft-ms $1 --slo-tpot-ms $2 \
     --phases 1000/512@128x768,16000/256@32x192,1000/512@128x768 --json four-gpu-phases-c128-$1-$2.json | tee four-gpu-phases-c128-$1-$2.txt
 done
+# each phase asking for its own SLO (the x-slo-* headers): chat 500/20 (1P3D best), documents 4000/15 (3P1D best); the GPU run's traffic
+hybrid-pd size --profile $four --gpus 4 --slo-ttft-ms 500 --slo-tpot-ms 20 \
+  --phases 1000/512@128x768:500/20,16000/256@32x256:4000/15,1000/512@128x768:500/20 --json four-gpu-phases-slo-per-phase.json | tee four-gpu-phases-slo-per-phase.txt
 : > two-gpu-matrix.txt
 for w in 3000/128 1000/64 1000/512 200/1000; do
   for c in 1 32 64; do
