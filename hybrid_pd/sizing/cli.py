@@ -65,8 +65,9 @@ def add_size_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
     size.add_argument("--input-len", type=_lengths, metavar="N|LOW-HIGH", help="prompt tokens (uniform over LOW-HIGH)")
     size.add_argument("--output-len", type=_lengths, metavar="N|LOW-HIGH", help="output tokens (uniform over LOW-HIGH)")
     size.add_argument(
-        "--phases", metavar="IN/OUT@C[xN],...",
-        help="a traffic that changes phase instead (e.g. 1000/512@64x384,16000/256@32x192,1000/512@64x384, one after the other): "
+        "--phases", metavar="IN/OUT@C[xN][:TTFT/TPOT],...",
+        help="a traffic that changes phase instead (e.g. 1000/512@128x768:500/20,16000/256@32x256:4000/15,1000/512@128x768:500/20, "
+        "one after the other; a phase's SLO is what its requests ask for in the x-slo-* headers, else --slo-ttft-ms/--slo-tpot-ms): "
         "the planner simulated on flexible workers, as the router runs it, against every fixed layout of one --gpus count",
     )  # fmt: skip
     load = size.add_mutually_exclusive_group()

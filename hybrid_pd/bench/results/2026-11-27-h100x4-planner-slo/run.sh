@@ -35,10 +35,11 @@ SOURCE_PROFILE=hybrid_pd/bench/results/2026-11-25-h100x2-sizing/profile.json  # 
 export PYTHONPATH=$PWD:${PYTHONPATH:-/tmp/site} PYTHONUNBUFFERED=1
 SERVERS=(--out $DIR --model $MODEL --device cuda --gpus 4 --max-model-len 33280 --kv-cache-gib 14 --gpu-memory-utilization 0.47
          --max-num-seqs 128 --slo 500/20 --slo 1500/50 --planner-profile $PROFILE)
-PHASE_SYSTEMS=replicas,1P3D,2P2D,3P1D,planner
+# PHASE_SYSTEMS and POINTS may be cut to fit the device time left (POINTS= : no matrix); the run's record says which ran
+PHASE_SYSTEMS=${PHASE_SYSTEMS:-replicas,1P3D,2P2D,3P1D,planner}
 MATRIX_SYSTEMS=replicas,1P3D,planner
 PHASES=1000/512@128x768:500/20,16000/256@32x256:4000/15,1000/512@128x768:500/20
-POINTS=1000/512@64:500/20,1000/512@128:500/20
+POINTS=${POINTS-1000/512@64:500/20,1000/512@128:500/20}
 RUNNER=(python3 -m hybrid_pd.bench.gpu.goodput)
 T0=$(date +%s)
 log() { echo "[$(($(date +%s) - T0))s] $*"; }
@@ -74,9 +75,10 @@ start)
 bench)
   running && { log "the bench runs already (pid $(cat $DIR/bench.pid))"; exit 1; }
   rm -f $DIR/bench.rc
-  setsid nohup bash -c "${RUNNER[*]} run ${SERVERS[*]} --systems $PHASE_SYSTEMS --phases $PHASES; a=\$?; \
-    ${RUNNER[*]} run ${SERVERS[*]} --systems $MATRIX_SYSTEMS --points $POINTS --prompts-per-in-flight 2 --settle-prompts-per-in-flight 1; \
-    echo \$a \$? > $DIR/bench.rc" >> $DIR/bench.out 2>&1 < /dev/null &
+  MATRIX="true"
+  [ -n "$POINTS" ] && MATRIX="${RUNNER[*]} run ${SERVERS[*]} --systems $MATRIX_SYSTEMS --points $POINTS --prompts-per-in-flight 2 --settle-prompts-per-in-flight 1"
+  setsid nohup bash -c "${RUNNER[*]} run ${SERVERS[*]} --systems $PHASE_SYSTEMS --phases $PHASES; a=\$?; $MATRIX; echo \$a \$? > $DIR/bench.rc" \
+    >> $DIR/bench.out 2>&1 < /dev/null &
   echo $! > $DIR/bench.pid
   log "bench started (pid $(cat $DIR/bench.pid)): phases $PHASES, then matrix $POINTS"
   ;;
