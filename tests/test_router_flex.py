@@ -283,10 +283,12 @@ def test_flex_urls_are_checked_like_the_others():
 def test_a_peers_window_this_router_cannot_read_is_left_out_not_the_whole_look():
     """A peer of another version shares a window of another shape: the leader sizes for the others' traffic (before, the
     look failed and no role moved while that peer ran)."""
-    from hybrid_pd.router.planner import _view
+    from hybrid_pd.router.peer_wire import window_json, window_of
 
     # a peer from before arrivals carried their SLO pair: none asked
-    assert _view({"arrived": [[1.5, 1000, 512]], "inflight": [[2.0, 3]]}) == WindowView(((1.5, 1000, 512, None),), ((2.0, 3),))
+    assert window_of({"arrived": [[1.5, 1000, 512]], "inflight": [[2.0, 3]]}) == WindowView(((1.5, 1000, 512, None),), ((2.0, 3),))
+    shared = WindowView(((1.5, 1000, 512, SLO(500, 20)), (1.0, 900, 500, SLO(500, float("inf"))), (0.5, 80, 8, None)), ((2.0, 3),))
+    assert json.loads(json.dumps(window_json(shared), allow_nan=False)) is not None and window_of(window_json(shared)) == shared
     for window in (None, [], {"arrived": [[1.5, "many", 512]], "inflight": []}, {"arrived": [[1.5, 1000]], "inflight": []}, {"inflight": []},
                    {"arrived": [[1.5, 1000, 512, 500]], "inflight": []}):  # fmt: skip
-        assert _view(window) is None, window
+        assert window_of(window) is None, window

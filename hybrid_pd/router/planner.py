@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import multiprocessing
 import socket
 import time
@@ -39,15 +38,16 @@ import httpx
 from hybrid_pd.common.logs import kv
 from hybrid_pd.router.metrics import RouterMetrics
 from hybrid_pd.router.pairing import Pairing
+from hybrid_pd.router.peer_wire import bounds_json, bounds_of, window_json, window_of
 from hybrid_pd.router.registry import Registry
 from hybrid_pd.router.request_slo import router_slo
 from hybrid_pd.router.settings import RouterSettings
-from hybrid_pd.sizing.traffic import TrafficWindow, WindowView
+from hybrid_pd.sizing.traffic import TrafficWindow
 from hybrid_pd.router.upstream import Upstream
 from hybrid_pd.sizing.layouts import Layout
 from hybrid_pd.sizing.planner import ROLES, Decision, Role, Traffic, assign, decide
 from hybrid_pd.sizing.profile import Profile
-from hybrid_pd.sizing.workload import SLO, Lengths
+from hybrid_pd.sizing.workload import Lengths
 
 __all__ = ["PEER_PATH", "Planner", "layout_of"]
 
@@ -117,7 +117,7 @@ class Planner:
         if self.decides and all(self.id < p["id"] for p in deciding):
             self.leader = self.id
             if pool is not None:
-                views = [self.traffic.view(now)] + [v for v in (_view(p.get("window")) for p in peers) if v is not None]
+                views = [self.traffic.view(now)] + [v for v in (window_of(p.get("window")) for p in peers) if v is not None]
                 window = TrafficWindow.merged(views, self.traffic.seconds, self.traffic.recent_s, now) if len(views) > 1 else self.traffic
                 await self._decide(pool, window.summary(now))
             return
@@ -125,7 +125,7 @@ class Planner:
             return
         leader = min(deciding, key=lambda p: p["id"])
         self.leader = leader["id"]
-        roles, bounds = leader.get("roles"), _bounds(leader.get("split_prompts"))  # a peer's word, read once here
+        roles, bounds = leader.get("roles"), bounds_of(leader.get("split_prompts"))  # a peer's word, read once here
         if isinstance(roles, dict) and roles != self.pairing.roles:
             self.apply({str(url): role for url, role in roles.items() if role in ROLES}, f"from the leader {leader['id']}", bounds)
         else:
@@ -175,7 +175,7 @@ class Planner:
         self.moves += 1
         self.metrics.planner_moves.inc()
         self.metrics.planner_prefillers.set(after.prefill)
-        log.info("planner roles %s", kv(before=before.name, after=after.name, roles=roles, split_prompts=_json_bounds(split_prompts), why=why))
+        log.info("planner roles %s", kv(before=before.name, after=after.name, roles=roles, split_prompts=bounds_json(split_prompts), why=why))
 
     def snapshot(self) -> dict[str, Any]:
         """What ``GET /planner`` shows: the roles by worker URL, the layout, and the last decision's predictions."""
@@ -186,7 +186,7 @@ class Planner:
             "leader": self.leader,
             "layout": layout_of(self.pairing.roles, workers).name,
             "roles": {w: self.pairing.roles.get(w, "whole") for w in workers},
-            "split_prompts": _json_bounds(self.pairing.split_prompts),
+            "split_prompts": bounds_json(self.pairing.split_prompts),
             "moves": self.moves,
         }
         if self.decision is not None:
@@ -204,49 +204,9 @@ class Planner:
             "id": self.id,
             "decides": self.decides,
             "roles": dict(self.pairing.roles),
-            "split_prompts": _json_bounds(self.pairing.split_prompts),
-            "window": {"arrived": [[round(a, 3), p, o, *_targets(slo)] for a, p, o, slo in view.arrived],
-                       "inflight": [[round(a, 3), n] for a, n in view.inflight]},
+            "split_prompts": bounds_json(self.pairing.split_prompts),
+            "window": window_json(view),
         }
-
-
-def _json_bounds(bounds: Lengths | None) -> list[int] | None:
-    """The prompt lengths a split serves as ``GET /planner`` and the peers show them: [low, high], or null for any."""
-    return None if bounds is None else [bounds.low, bounds.high]
-
-
-def _bounds(shown: Any) -> Lengths | None:
-    """:func:`_json_bounds` of a peer read back; None (every prompt split as the roles say) for anything else."""
-    if isinstance(shown, list) and len(shown) == 2 and all(isinstance(n, int) and not isinstance(n, bool) for n in shown) and shown[0] <= shown[1]:
-        return Lengths(shown[0], shown[1])
-    return None
-
-
-def _targets(slo: SLO | None) -> list[float | None]:
-    """A request's SLO pair as JSON carries it: null for no target (JSON has no infinity) or no pair asked."""
-    return [None, None] if slo is None else [None if math.isinf(t) else t for t in (slo.ttft_ms, slo.tpot_ms)]
-
-
-def _slo(ttft: float | None, tpot: float | None) -> SLO | None:
-    """:func:`_targets` read back."""
-    return None if ttft is None and tpot is None else SLO(math.inf if ttft is None else float(ttft), math.inf if tpot is None else float(tpot))
-
-
-def _arrival(age: Any, prompt: Any, output: Any, *targets: Any) -> tuple[float, int, int, SLO | None]:
-    """One arrival of a peer's window: its age, lengths and, since peers share it, the SLO pair it asked for."""
-    if len(targets) not in (0, 2):
-        raise ValueError(f"an arrival of {3 + len(targets)} fields")
-    return float(age), int(prompt), int(output), _slo(*targets) if targets else None
-
-
-def _view(window: Any) -> WindowView | None:
-    """A peer's window from its JSON (:meth:`Planner.peer`); None for one this router cannot read (a peer of another version:
-    the others' traffic is still sized for). Arrivals without their SLO pair (a peer from before it was shared) asked none."""
-    try:
-        arrived = tuple(_arrival(*entry) for entry in window["arrived"])
-        return WindowView(arrived, tuple((float(a), int(n)) for a, n in window["inflight"]))
-    except (TypeError, ValueError, KeyError):
-        return None
 
 
 async def _addresses(url: str) -> list[str]:
