@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 
 import pytest
 
@@ -35,6 +36,17 @@ class _App:
         self.bodies.append(message["body"])
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"ok"})
+
+
+def _server_held(app: _App, writer: object = None) -> HandoffMiddleware:
+    """The middleware on a vLLM whose engine client has no method to hold early legs in: the server holds them."""
+    middleware = HandoffMiddleware(app, writer=writer, engine_client=_NoHoldEngineClient)
+    assert not middleware.in_engine_client
+    return middleware
+
+
+class _NoHoldEngineClient:
+    async def add_request(self, request: object) -> None: ...
 
 
 class _Events:
@@ -81,12 +93,12 @@ def _push(*keys: str) -> bytes:
 
 
 async def test_the_probe_says_the_worker_takes_part():
-    assert await _call(HandoffMiddleware(_App()), "GET", HANDOFF_PATH) == (200, b'{"handoff":1}')
+    assert await _call(_server_held(_App()), "GET", HANDOFF_PATH) == (200, b'{"handoff":1}')
 
 
 async def test_a_push_that_came_first_goes_with_its_leg_into_vllm_once():
     app, events = _App(), _Events()
-    middleware = HandoffMiddleware(app, writer=events)
+    middleware = _server_held(app, writer=events)
     assert await _call(middleware, "POST", HANDOFF_PATH, _push("k1")) == (204, b"")
     assert await _call(middleware, "POST", "/v1/completions", _early_leg("k1"), early=True) == (200, b"ok")
     sent = json.loads(app.bodies[0])
@@ -103,7 +115,7 @@ async def test_a_push_that_came_first_goes_with_its_leg_into_vllm_once():
 
 async def test_a_leg_that_came_first_waits_for_its_push_and_for_nothing_else():
     app = _App()
-    middleware = HandoffMiddleware(app)
+    middleware = _server_held(app)
     leg = asyncio.ensure_future(_call(middleware, "POST", "/v1/chat/completions", _early_leg("k2"), early=True))
     await asyncio.sleep(0.05)
     assert not leg.done() and app.bodies == []
@@ -117,7 +129,7 @@ async def test_a_leg_that_came_first_waits_for_its_push_and_for_nothing_else():
 
 async def test_a_leg_whose_client_leaves_while_it_waits_never_reaches_vllm():
     app = _App()
-    middleware = HandoffMiddleware(app)
+    middleware = _server_held(app)
     leave = asyncio.Event()
     leg = asyncio.ensure_future(_call(middleware, "POST", "/v1/completions", _early_leg("k3"), leave, early=True))
     await asyncio.sleep(0.05)
@@ -130,7 +142,7 @@ async def test_a_leg_whose_push_never_comes_goes_on_without_parameters(monkeypat
     monkeypatch.setattr(handoff, "WAIT_LIMIT_S", 0.05)
     app = _App()
     with caplog.at_level(logging.WARNING, logger="vllm.hybrid_pd.handoff"):
-        assert await _call(HandoffMiddleware(app), "POST", "/v1/completions", _early_leg("k4"), early=True) == (200, b"ok")
+        assert await _call(_server_held(app), "POST", "/v1/completions", _early_leg("k4"), early=True) == (200, b"ok")
     assert json.loads(app.bodies[0])["kv_transfer_params"] is None, "the decode worker computes the prompt itself"
     assert "no push came" in caplog.text
 
@@ -147,7 +159,7 @@ async def test_a_leg_whose_push_never_comes_goes_on_without_parameters(monkeypat
 )
 async def test_anything_else_goes_to_vllm_as_it_came(path, body):
     app = _App()
-    assert await asyncio.wait_for(_call(HandoffMiddleware(app), "POST", path, body), 5) == (200, b"ok")
+    assert await asyncio.wait_for(_call(_server_held(app), "POST", path, body), 5) == (200, b"ok")
     assert app.bodies == [body]
 
 
@@ -171,13 +183,13 @@ async def test_a_request_that_does_not_say_it_is_an_early_leg_is_not_read_on_its
     async def send(message: dict) -> None:
         pass
 
-    await asyncio.wait_for(HandoffMiddleware(app)({"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}, receive, send), 5)
+    await asyncio.wait_for(_server_held(app)({"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}, receive, send), 5)
     assert seen == [receive]
 
 
 async def test_one_post_brings_several_pushes():
     app = _App()
-    middleware = HandoffMiddleware(app)
+    middleware = _server_held(app)
     assert await _call(middleware, "POST", HANDOFF_PATH, _push("x", "y")) == (204, b"")
     for key in ("y", "x"):
         assert await asyncio.wait_for(_call(middleware, "POST", "/v1/completions", _early_leg(key), early=True), 5) == (200, b"ok")
@@ -188,7 +200,7 @@ async def test_one_post_brings_several_pushes():
     "body", [b"{not json", json.dumps({"key": "k", "params": {}}).encode(), json.dumps([{"key": 1, "params": {}}]).encode(), json.dumps([{"key": "k"}]).encode()]
 )
 async def test_a_malformed_push_is_a_400(body):
-    status, answer = await _call(HandoffMiddleware(_App()), "POST", HANDOFF_PATH, body)
+    status, answer = await _call(_server_held(_App()), "POST", HANDOFF_PATH, body)
     assert status == 400 and b"error" in answer
 
 
@@ -264,3 +276,84 @@ def test_a_push_that_cannot_be_delivered_is_logged(caplog, unused_tcp_port):
         outbox.push(f"http://127.0.0.1:{unused_tcp_port}", "k", PUSHED)
         _wait_for(lambda: "hand-off of 1 to" in caplog.text)
     assert "ConnectionRefusedError" in caplog.text
+
+
+# --- held in vLLM's engine client --------------------------------------------------------------------------------------
+
+
+def _engine_client() -> type:
+    """vLLM's ``AsyncLLM`` as the hold sees it (a class of its own per test: the hold wraps the class's method)."""
+
+    class EngineClient:
+        def __init__(self) -> None:
+            self.added: list[object] = []  # each request's kv_transfer_params as they reached the engine core
+
+        async def _add_request(self, request, prompt, parent_req, index, queue):  # noqa: ANN001 - vLLM's signature
+            self.added.append(request.sampling_params.extra_args.get("kv_transfer_params"))
+
+    return EngineClient
+
+
+def _engine_request(params: dict) -> SimpleNamespace:
+    """An ``EngineCoreRequest`` as vLLM makes it of a request: the leg's kv_transfer_params in its sampling params' extra_args."""
+    return SimpleNamespace(sampling_params=SimpleNamespace(extra_args={"kv_transfer_params": dict(params)}))
+
+
+def _leg_params(key: str, rid: str = "r1") -> dict:
+    return json.loads(_early_leg(key, rid))["kv_transfer_params"]
+
+
+async def test_in_the_engine_client_an_early_leg_is_rendered_during_the_prefill_and_only_the_request_waits():
+    """The server passes the leg on unread, so vLLM parses and renders it at once; the engine client holds the ready request
+    until its push, then sends it on with the pushed parameters, once; the timeline has the push's arrival and the release."""
+    app, events, client = _App(), _Events(), _engine_client()
+    middleware = HandoffMiddleware(app, writer=events, engine_client=client)
+    assert middleware.in_engine_client
+    assert await _call(middleware, "POST", "/v1/completions", _early_leg("k1"), early=True) == (200, b"ok")
+    assert app.bodies == [_early_leg("k1")]  # on to vLLM at once, as it came
+    engine = client()
+    added = asyncio.ensure_future(engine._add_request(_engine_request(_leg_params("k1")), "hi", None, 0, None))
+    await asyncio.sleep(0.05)
+    assert not added.done() and engine.added == []
+    assert await _call(middleware, "POST", HANDOFF_PATH, _push("k1")) == (204, b"")
+    await asyncio.wait_for(added, 5)
+    assert engine.added == [{**PUSHED, HANDOFF_KEY_PARAM: "k1", REQUEST_ID_PARAM: "r1"}]
+    (pushed, at), (released, _) = events.seen
+    assert (pushed, released, at["rid"]) == ("handoff_in", "handoff_released", "r1") and isinstance(at["mono"], float)
+    # a push that came first: the request goes on at once; any other request (a prefill leg names a key too) untouched
+    await _call(middleware, "POST", HANDOFF_PATH, _push("k2"))
+    prefill = {"do_remote_decode": True, "do_remote_prefill": False, HANDOFF_KEY_PARAM: "k3", "hybrid_pd_handoff_url": "http://d"}
+    for params in (_leg_params("k2"), prefill, {"do_remote_prefill": True, **PUSHED}):
+        await asyncio.wait_for(engine._add_request(_engine_request(params), "hi", None, 0, None), 5)
+    assert engine.added[1:] == [{**PUSHED, HANDOFF_KEY_PARAM: "k2", REQUEST_ID_PARAM: "r1"}, prefill, {"do_remote_prefill": True, **PUSHED}]
+
+
+async def test_in_the_engine_client_a_leg_whose_client_leaves_never_reaches_the_engine_and_one_without_a_push_computes_itself(
+    monkeypatch, caplog
+):
+    client = _engine_client()
+    middleware = HandoffMiddleware(_App(), engine_client=client)
+    engine = client()
+    added = asyncio.ensure_future(engine._add_request(_engine_request(_leg_params("k4")), "hi", None, 0, None))
+    await asyncio.sleep(0.05)
+    added.cancel()  # vLLM cancels the request's task when its client disconnects
+    with pytest.raises(asyncio.CancelledError):
+        await added
+    assert engine.added == [] and middleware._waiting == {}
+    monkeypatch.setattr(handoff, "WAIT_LIMIT_S", 0.1)
+    with caplog.at_level(logging.WARNING, logger="vllm.hybrid_pd.handoff"):
+        await asyncio.wait_for(engine._add_request(_engine_request(_leg_params("k5")), "hi", None, 0, None), 5)
+    assert engine.added == [None] and "no push came" in caplog.text  # no parameters: the decode worker computes the prompt
+
+
+def test_the_hold_wraps_only_the_engine_client_method_it_was_checked_with_and_only_once():
+    class Other:
+        async def _add_request(self, request, prompt):  # noqa: ANN001 - another vLLM's signature
+            ...
+
+    assert not HandoffMiddleware(_App(), engine_client=Other).in_engine_client and Other._add_request.__name__ == "_add_request"
+    client = _engine_client()
+    original = client._add_request
+    HandoffMiddleware(_App(), engine_client=client)
+    HandoffMiddleware(_App(), engine_client=client)  # a second server app in the process: the original wrapped once
+    assert client._add_request.__wrapped_by_hybrid_pd__ is original

@@ -11,7 +11,7 @@ import json
 import pytest
 
 from hybrid_pd.bench.budget import budget, budgets, format_budget
-from hybrid_pd.bench.timeline import CHAIN, EARLY_CHAIN, EARLY_SEGMENTS, RESIDUAL, SEGMENTS, load_events, request_group, router_spans, timelines
+from hybrid_pd.bench.timeline import CHAIN, EARLY_CHAIN, EARLY_SEGMENTS, HELD_CHAIN, HELD_SEGMENTS, RESIDUAL, SEGMENTS, load_events, request_group, router_spans, timelines
 from hybrid_pd.connector.trace.timeline import TimelineWriter
 
 
@@ -74,18 +74,21 @@ def test_every_segment_of_a_whole_request_is_measured_and_they_add_up_to_the_rou
     assert found.residual_s == pytest.approx(0.0, abs=1e-9)
 
 
-def test_an_early_decode_legs_request_is_measured_along_its_own_chain(tmp_path):
-    """The early leg went to the decode worker before the prefill leg: its trip is off the chain, the push on it."""
-    total = _trace(tmp_path, chain=EARLY_CHAIN)
+@pytest.mark.parametrize(("chain", "segments", "kind"), [(EARLY_CHAIN, EARLY_SEGMENTS, "early"), (HELD_CHAIN, HELD_SEGMENTS, "held")], ids=["held-in-server", "held-in-engine-client"])
+def test_an_early_decode_legs_request_is_measured_along_its_own_chain(tmp_path, chain, segments, kind):
+    """The early leg went to the decode worker before the prefill leg: its trip is off the chain, the push on it. Held in
+    vLLM's engine client, its parsing and rendering ran during the prefill too: off the chain, the release on it."""
+    total = _trace(tmp_path, chain=chain)
     with (tmp_path / "timeline-router-1.jsonl").open("a") as f:  # the early leg's own trip, during the prefill
         f.write(json.dumps({"ev": "decode_sent", "rid": "run-endpoint-c1-0", "mono": 1000.0005 - 10.0, "wall": 1000.0005}) + "\n")
     (found,) = timelines(load_events(tmp_path))
-    assert found.early and found.complete and found.ttft_s == pytest.approx(total)
-    assert list(found.segments) == [s.name for s in EARLY_SEGMENTS]
+    assert found.chain == kind and found.complete and found.ttft_s == pytest.approx(total)
+    assert list(found.segments) == [s.name for s in segments]
     assert "handoff_push" in found.segments and "prefill_answer" not in found.segments
+    assert ("decode_frontend" in found.segments) == (kind == "early") and ("handoff_release" in found.segments) == (kind == "held")
     assert found.residual_s == pytest.approx(0.0, abs=1e-9)
     b = budget("g", [found])
-    assert [r.name for r in b.rows] == [s.name for s in EARLY_SEGMENTS] + [RESIDUAL.name]
+    assert [r.name for r in b.rows] == [s.name for s in segments] + [RESIDUAL.name]
 
 
 def test_the_routers_own_events_give_its_legs_and_ttft_whatever_the_workers_recorded(tmp_path):

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from hybrid_pd.bench.stats import percentile
-from hybrid_pd.bench.timeline import EARLY_SEGMENTS, RESIDUAL, SEGMENTS, RequestTimeline, grouped, load_events, timelines
+from hybrid_pd.bench.timeline import CHAINS, RESIDUAL, SEGMENTS, RequestTimeline, grouped, load_events, timelines
 
 __all__ = ["Budget", "Row", "budget", "budgets", "format_budget", "main"]
 
@@ -80,8 +80,9 @@ class Budget:
 def budget(group: str, found: Sequence[RequestTimeline]) -> Budget:
     """The budget of ``found`` (requests whose legs were sent twice are counted, not used)."""
     used = tuple(t for t in found if not t.repeated)
-    # A group of early decode legs has their chain's rows; a mixed one the usual rows, early legs' values where they share them.
-    chain = EARLY_SEGMENTS if used and all(t.early for t in used) else SEGMENTS
+    # A group of one chain has its rows; a mixed one the sequential legs' rows, the others' values where they share them.
+    kinds = {t.chain for t in used}
+    chain = CHAINS[kinds.pop()] if len(kinds) == 1 else SEGMENTS
     rows = [Row.of(s.name, s.label, [v for t in used if (v := t.segments.get(s.name)) is not None]) for s in chain]
     rows.append(Row.of(RESIDUAL.name, RESIDUAL.label, [t.residual_s for t in used]))
     return Budget(group, tuple(rows), Row.of("ttft", TTFT_LABEL, [t.ttft_s for t in used]), used, len(found) - len(used))

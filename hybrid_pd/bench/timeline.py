@@ -7,10 +7,12 @@ router's arrival to its first byte to the client:
     router.http_in -> router.prefill_sent -> prefill.http_in -> prefill.engine_in -> ... -> router.http_out
 
 (:data:`CHAIN`; each link is a :class:`Segment`). An early decode leg (sent with the prefill leg,
-held in the decode worker's server until the prefill's engine pushes the state's whereabouts:
-``hybrid_pd/connector/vllm/handoff.py``) has its own chain, :data:`EARLY_CHAIN`: from the
-prefill's end it goes through the push (``handoff_in``) to the decode's engine; the early leg's
-own trip to the decode worker ran during the prefill, off the chain. The router's TTFT (``http_in`` to
+held until the prefill's engine pushes the state's whereabouts: ``hybrid_pd/connector/vllm/handoff.py``)
+has a chain of its own: from the prefill's end it goes through the push (``handoff_in``) to the
+decode's engine; the early leg's own trip to the decode worker ran during the prefill, off the
+chain. Held in the decode worker's server (:data:`EARLY_CHAIN`), it is parsed and rendered after
+the push; held in vLLM's engine client (:data:`HELD_CHAIN`, ``handoff_released``), it was parsed
+and rendered during the prefill, off the chain too. The router's TTFT (``http_in`` to
 ``http_out`` on its monotonic clock) is the total; the segments telescope, so they add up to
 it exactly when every event is there, and what a missing event leaves uncovered is the
 ``residual``, shown as a segment of its own, never spread over the others.
@@ -36,7 +38,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["CHAIN", "EARLY_CHAIN", "EARLY_SEGMENTS", "Event", "ROUTER_SPANS", "RequestTimeline", "Segment", "SEGMENTS", "join", "load_events", "request_group", "router_spans", "timelines"]
+__all__ = ["CHAIN", "CHAINS", "EARLY_CHAIN", "EARLY_SEGMENTS", "HELD_CHAIN", "HELD_SEGMENTS", "Event", "ROUTER_SPANS", "RequestTimeline", "Segment",
+           "SEGMENTS", "join", "load_events", "request_group", "router_spans", "timelines"]
 
 Mark = tuple[str, str]  # (source, event)
 
@@ -61,9 +64,11 @@ _PREFILL_LEG: tuple[tuple[Mark, str, str], ...] = (
     (("prefill", "scheduled"), "prefill_queue", "prefill: queued -> scheduled"),
     (("prefill", "done"), "prefill_forward", "prefill: forward, token sampled, state held"),
 )
-_DECODE_ENGINE: tuple[tuple[Mark, str, str], ...] = (
+_DECODE_FRONTEND: tuple[tuple[Mark, str, str], ...] = (
     (("decode", "engine_in"), "decode_frontend", "decode: request parsed, prompt rendered (vLLM frontend)"),
     (("decode", "queued"), "decode_to_engine", "decode: frontend -> engine core"),
+)
+_DECODE_ENGINE: tuple[tuple[Mark, str, str], ...] = (
     (("decode", "pull_queued"), "decode_queue", "decode: queued -> pull allocated"),
     (("decode", "pull_posted"), "pull_post", "decode: pull handed to the model worker, posted"),
     (("decode", "pull_done"), "pull_transfer", "decode: transfer, completion noticed"),
@@ -78,11 +83,16 @@ CHAIN: tuple[tuple[Mark, str, str], ...] = (
     (("router", "prefill_answered"), "prefill_answer_in", "prefill answer -> router, read"),
     (("router", "decode_sent"), "router_between_legs", "router: between the legs"),
     (("decode", "http_in"), "decode_leg_in", "decode leg: router -> decode's vLLM server"),
+    *_DECODE_FRONTEND,
     *_DECODE_ENGINE,
 )
-EARLY_CHAIN: tuple[tuple[Mark, str, str], ...] = (
+_PUSH: tuple[Mark, str, str] = (("decode", "handoff_in"), "handoff_push", "prefill's engine -> its push at the decode's server")
+EARLY_CHAIN: tuple[tuple[Mark, str, str], ...] = (*_PREFILL_LEG, _PUSH, *_DECODE_FRONTEND, *_DECODE_ENGINE)
+HELD_CHAIN: tuple[tuple[Mark, str, str], ...] = (
     *_PREFILL_LEG,
-    (("decode", "handoff_in"), "handoff_push", "prefill's engine -> its push at the decode's server, early leg goes on"),
+    _PUSH,
+    (("decode", "handoff_released"), "handoff_release", "decode: push -> the early leg, rendered meanwhile, released in vLLM's engine client"),
+    (("decode", "queued"), "decode_to_engine", "decode: engine client -> engine core"),
     *_DECODE_ENGINE,
 )
 
@@ -93,6 +103,9 @@ def _segments(chain: tuple[tuple[Mark, str, str], ...]) -> tuple[Segment, ...]:
 
 SEGMENTS = _segments(CHAIN)
 EARLY_SEGMENTS = _segments(EARLY_CHAIN)
+HELD_SEGMENTS = _segments(HELD_CHAIN)
+# Each request's chain by name (RequestTimeline.chain): the legs one after the other, an early leg held in the server, or in the engine client.
+CHAINS: dict[str, tuple[Segment, ...]] = {"sequential": SEGMENTS, "early": EARLY_SEGMENTS, "held": HELD_SEGMENTS}
 RESIDUAL = Segment("residual", "residual (TTFT not covered by the segments above)", CHAIN[0][0], CHAIN[-1][0])
 
 # Events a TP group's every rank writes: the pull is posted when the first rank posts and done when the last is.
@@ -204,7 +217,7 @@ class RequestTimeline:
     segments: Mapping[str, float | None]
     residual_s: float
     repeated: bool
-    early: bool = False  # an early decode leg's request: the segments are EARLY_SEGMENTS'
+    chain: str = "sequential"  # which of CHAINS its segments follow
 
     @property
     def complete(self) -> bool:
@@ -228,13 +241,13 @@ def request_timeline(rid: str, marks: Marks) -> RequestTimeline | None:
     if arrived is None or answered is None:
         return None
     ttft = between(arrived, answered)
-    early = ("decode", "handoff_in") in marks.events
+    chain = "held" if ("decode", "handoff_released") in marks.events else "early" if ("decode", "handoff_in") in marks.events else "sequential"
     segments: dict[str, float | None] = {}
-    for segment in EARLY_SEGMENTS if early else SEGMENTS:
+    for segment in CHAINS[chain]:
         start, end = marks.events.get(segment.start), marks.events.get(segment.end)
         segments[segment.name] = None if start is None or end is None else between(start, end)
     residual = ttft - sum(v for v in segments.values() if v is not None)
-    return RequestTimeline(rid, ttft, segments, residual, marks.repeated, early)
+    return RequestTimeline(rid, ttft, segments, residual, marks.repeated, chain)
 
 
 def timelines(events: Iterable[Event], rids: Iterable[str] | None = None) -> list[RequestTimeline]:

@@ -3,7 +3,8 @@
 ``hybrid-pd bench --timeline`` against the session stack, whose router and P/D workers
 record into ``timeline_dir``: every request the bench sent gets one row, every segment of
 the early decode leg's chain is measured (the prefill's engine pushed the state's whereabouts to
-the decode worker's server, which held the early leg until then) (so the router, both vLLM servers, both engines and the decode
+the decode worker's server; vLLM's engine client there held the early leg, rendered meanwhile, until then) (so the router, both
+vLLM servers, both engines and the decode
 worker's NIXL pull all recorded it under the router's id), the segments add up to the
 router's TTFT, none runs backwards, and the router's TTFT fits in the client's. Nothing
 here depends on how fast the engines are. This module sorts before
@@ -18,7 +19,7 @@ import json
 import pytest
 
 from hybrid_pd.bench.cli import add_bench_parser, run_bench
-from hybrid_pd.bench.timeline import EARLY_SEGMENTS, RESIDUAL
+from hybrid_pd.bench.timeline import HELD_SEGMENTS, RESIDUAL
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -49,7 +50,7 @@ def test_every_request_gets_one_contiguous_timeline_that_adds_up_to_the_routers_
 
     report = json.loads(out.read_text())
     timeline = report["timeline"]
-    names = [s.name for s in EARLY_SEGMENTS] + [RESIDUAL.name]  # the session's router sends early decode legs
+    names = [s.name for s in HELD_SEGMENTS] + [RESIDUAL.name]  # early decode legs, held in vLLM 0.32's engine client
     for level, bench_level, c in zip(timeline["levels"], report["levels"], LEVELS, strict=True):
         assert level["load"] == {"kind": "concurrency", "value": c}
         assert (level["requests"], level["complete"], level["repeated"]) == (NUM_PROMPTS, NUM_PROMPTS, 0)
