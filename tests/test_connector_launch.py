@@ -7,6 +7,7 @@ import pytest
 
 from hybrid_pd.connector.contract import (
     AWAIT_ENV,
+    EARLY_LEG_HOLD_ENV,
     CPU_PREFIX_CACHING,
     DELAY_ENV,
     ENGINE_FIXES_ENV,
@@ -204,6 +205,12 @@ def test_workers_that_decode_await_their_pulls_only_when_asked():
     assert build_launch(_spec("decode", pull_await_us=800)).env[AWAIT_ENV] == "800"
     assert build_launch(_spec("flex", pull_await_us=800)).env[AWAIT_ENV] == "800"
     assert AWAIT_ENV not in build_launch(_spec("prefill", pull_await_us=800)).env
+
+
+def test_early_legs_wait_in_vllms_engine_client_unless_the_worker_says_the_server():
+    assert EARLY_LEG_HOLD_ENV not in build_launch(_spec("decode")).env
+    assert build_launch(_spec("decode", early_leg_hold="server")).env[EARLY_LEG_HOLD_ENV] == "server"
+    assert EARLY_LEG_HOLD_ENV not in build_launch(_spec("colocated", early_leg_hold="server")).env
 
 
 def test_every_role_keeps_vllms_scheduling():

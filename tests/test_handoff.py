@@ -346,6 +346,13 @@ async def test_in_the_engine_client_a_leg_whose_client_leaves_never_reaches_the_
     assert engine.added == [None] and "no push came" in caplog.text  # no parameters: the decode worker computes the prompt
 
 
+def test_a_worker_told_to_hold_early_legs_in_the_server_does(monkeypatch):
+    monkeypatch.setenv(handoff.EARLY_LEG_HOLD_ENV, "server")
+    client = _engine_client()
+    original = client._add_request
+    assert not HandoffMiddleware(_App(), engine_client=client).in_engine_client and client._add_request is original
+
+
 def test_the_hold_wraps_only_the_engine_client_method_it_was_checked_with_and_only_once():
     class Other:
         async def _add_request(self, request, prompt):  # noqa: ANN001 - another vLLM's signature

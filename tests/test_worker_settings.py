@@ -18,7 +18,7 @@ FLAGS = [
     "--model", "--served-model-name", "--host", "--port", "--side-channel-host", "--side-channel-port", "--device",
     "--tensor-parallel-size", "--dtype", "--max-model-len", "--max-num-seqs", "--kv-cache-memory-bytes",
     "--gpu-memory-utilization", "--cpu-threads-bind", "--ready-timeout-s", "--kv-lease-s", "--ucx-net-devices",
-    "--merge-descriptors", "--no-merge-descriptors", "--pull-await-us", "--nixl-trace-dir", "--timeline-dir", "--decode-row-fix", "--router-url",
+    "--merge-descriptors", "--no-merge-descriptors", "--pull-await-us", "--early-leg-hold", "--nixl-trace-dir", "--timeline-dir", "--decode-row-fix", "--router-url",
     "--router-every-address", "--no-router-every-address", "--advertise-url",
     "--drain-timeout-s", "--start-stall-s", "--serve-stall-s", "--speculative-config", "--vllm-arg", "--dry-run",
 ]  # fmt: skip

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 __all__ = [
     "AWAIT_ENV",
+    "EARLY_LEG_HOLD_ENV",
     "CAPABILITIES_ENV",
     "CONV_STATE_LAYOUT",
     "CPU_PREFIX_CACHING",
@@ -52,6 +53,7 @@ DELAY_ENV = "HYBRID_PD_NIXL_PROGRESS_DELAY_US"  # nixl_progress: microseconds be
 MERGE_ENV = "HYBRID_PD_NIXL_MERGE_DESCRIPTORS"  # nixl_merge: "1" posts adjacent reads as one
 TRACE_ENV = "HYBRID_PD_NIXL_TRACE_DIR"  # nixl_trace: folder of the transfer trace
 AWAIT_ENV = "HYBRID_PD_PULL_AWAIT_US"  # pull_await: microseconds a step waits for its own pulls
+EARLY_LEG_HOLD_ENV = "HYBRID_PD_EARLY_LEG_HOLD"  # handoff: "server" holds early decode legs in the server, not vLLM's engine client
 TEST_ONLY_DISABLE_ENV = "HYBRID_PD_TEST_ONLY_DISABLE_DECODE_ROW_FIX"  # decode_rows: the negative control
 
 # Fixes of vLLM's engine our vLLM plugin applies in every process of a server that names them, comma-separated

@@ -15,6 +15,7 @@ from typing import Literal
 
 from hybrid_pd.connector.contract import (
     AWAIT_ENV,
+    EARLY_LEG_HOLD_ENV,
     CAPABILITIES_ENV,
     CONV_STATE_LAYOUT,
     CPU_PREFIX_CACHING,
@@ -76,6 +77,7 @@ class WorkerSpec:
     timeline_dir: str | None = None
     merge_descriptors: bool = True
     pull_await_us: int = 0
+    early_leg_hold: str = "engine"  # where early decode legs wait for their push (hybrid_pd.connector.vllm.handoff)
     speculative_config: str | None = None  # vLLM's --speculative-config JSON (the settings' canonical form)
     vllm_args: tuple[str, ...] = ()
     # What the start-up check decided (hybrid_pd.connector.vllm.capabilities): (piece, "vllm" | "fallback:<how>") pairs.
@@ -217,6 +219,14 @@ def pull_await_env(spec: WorkerSpec) -> dict[str, str]:
     if spec.role not in ("decode", "flex") or spec.pull_await_us <= 0:
         return {}
     return {AWAIT_ENV: str(spec.pull_await_us)}
+
+
+def early_leg_hold_env(spec: WorkerSpec) -> dict[str, str]:
+    """Where a worker's early decode legs wait for their push: vLLM's engine client unless ``spec.early_leg_hold`` says the server
+    (:mod:`hybrid_pd.connector.vllm.handoff`; the server holds them anyway where vLLM's engine client lacks the method)."""
+    if spec.early_leg_hold != "server" or kv_role(spec.role) is None:
+        return {}
+    return {EARLY_LEG_HOLD_ENV: "server"}
 
 
 def nixl_trace_env(spec: WorkerSpec) -> dict[str, str]:
@@ -442,6 +452,7 @@ def build_launch(spec: WorkerSpec) -> Launch:
         **nixl_progress_env(spec),
         **nixl_merge_env(spec),
         **pull_await_env(spec),
+        **early_leg_hold_env(spec),
         **nixl_trace_env(spec),
         **timeline_env(spec),
         **device_env(spec),

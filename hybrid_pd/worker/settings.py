@@ -59,6 +59,11 @@ class WorkerSettings(BaseSettings):
         "complete, so vLLM notices it in that step instead of the next; shortens TTFT at low load, lengthens the "
         "steps every running request waits for (0, the default: vLLM's behaviour)",
     )
+    early_leg_hold: Literal["engine", "server"] = Field(
+        "engine",
+        description="decode and flex: where an early decode leg waits for the prefill's push: in vLLM's engine client, "
+        "parsed and rendered meanwhile (where vLLM has the method), or in the server before vLLM reads it",
+    )
     nixl_trace_dir: str | None = Field(
         None, description="record every NIXL transfer into this folder (hybrid_pd/bench/nixl_floor.py replays it)"
     )

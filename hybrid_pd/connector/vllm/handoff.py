@@ -51,6 +51,7 @@ import http.client
 import inspect
 import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -58,7 +59,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 from urllib.parse import urlsplit
 
-from hybrid_pd.connector.contract import HANDOFF_KEY_HEADER, HANDOFF_KEY_PARAM, HANDOFF_PATH
+from hybrid_pd.connector.contract import EARLY_LEG_HOLD_ENV, HANDOFF_KEY_HEADER, HANDOFF_KEY_PARAM, HANDOFF_PATH
 from hybrid_pd.connector.trace.timeline import REQUEST_ID_PARAM, TimelineWriter
 from hybrid_pd.connector.trace.timeline import from_env as timeline_from_env
 
@@ -143,7 +144,7 @@ class HandoffMiddleware:
         self._arrived: dict[str, tuple[float, dict[str, Any]]] = {}  # pushes no leg has taken yet, by key: (when, params)
         self._waiting: dict[str, asyncio.Event] = {}  # early legs held, by key
         self._pruned_at = time.monotonic()
-        self.in_engine_client = hold_in_engine_client(self, engine_client)
+        self.in_engine_client = os.environ.get(EARLY_LEG_HOLD_ENV) != "server" and hold_in_engine_client(self, engine_client)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] not in ("GET", "POST"):
