@@ -287,9 +287,13 @@ def _engine_client() -> type:
     class EngineClient:
         def __init__(self) -> None:
             self.added: list[object] = []  # each request's kv_transfer_params as they reached the engine core
+            self.rejected: list[object] = []  # ... and each refused or cancelled request's, as vLLM notifies its connector
 
         async def _add_request(self, request, prompt, parent_req, index, queue):  # noqa: ANN001 - vLLM's signature
             self.added.append(request.sampling_params.extra_args.get("kv_transfer_params"))
+
+        async def notify_kv_transfer_request_rejected(self, request_id, kv_transfer_params, *, data_parallel_rank=None):  # noqa: ANN001
+            self.rejected.append(kv_transfer_params)
 
     return EngineClient
 
@@ -346,6 +350,26 @@ async def test_in_the_engine_client_a_leg_whose_client_leaves_never_reaches_the_
     assert engine.added == [None] and "no push came" in caplog.text  # no parameters: the decode worker computes the prompt
 
 
+async def test_a_held_leg_that_vllm_refuses_or_whose_client_leaves_frees_the_prefills_blocks_once_pushed_and_kills_no_engine(monkeypatch):
+    """vLLM notifies its connector of a refused request (max_tokens -5) or one cancelled before it was added, with the
+    request's parameters. A held leg's did not yet say where the prefill's blocks are, and vLLM 0.32's NIXL scheduler died on
+    them (KeyError 'remote_block_ids', the session stack's decode engine down for every test after the bad-input one): the
+    notice waits for the push and goes with its parameters; with no push, none goes."""
+    client = _engine_client()
+    middleware = HandoffMiddleware(_App(), engine_client=client)
+    engine = client()
+    notice = asyncio.ensure_future(engine.notify_kv_transfer_request_rejected("r1", _leg_params("k6"), data_parallel_rank=None))
+    await asyncio.sleep(0.05)
+    assert not notice.done() and engine.rejected == []
+    await _call(middleware, "POST", HANDOFF_PATH, _push("k6"))
+    await asyncio.wait_for(notice, 5)
+    assert engine.rejected == [{**PUSHED, HANDOFF_KEY_PARAM: "k6", REQUEST_ID_PARAM: "r1"}]
+    await engine.notify_kv_transfer_request_rejected("r2", {"do_remote_prefill": True, **PUSHED})  # a usual decode leg's: at once
+    monkeypatch.setattr(handoff, "WAIT_LIMIT_S", 0.1)
+    await asyncio.wait_for(engine.notify_kv_transfer_request_rejected("r3", _leg_params("k7")), 5)
+    assert engine.rejected[1:] == [{"do_remote_prefill": True, **PUSHED}]  # k7: no push, no notice
+
+
 def test_a_worker_told_to_hold_early_legs_in_the_server_does(monkeypatch):
     monkeypatch.setenv(handoff.EARLY_LEG_HOLD_ENV, "server")
     client = _engine_client()
@@ -358,7 +382,13 @@ def test_the_hold_wraps_only_the_engine_client_method_it_was_checked_with_and_on
         async def _add_request(self, request, prompt):  # noqa: ANN001 - another vLLM's signature
             ...
 
-    assert not HandoffMiddleware(_App(), engine_client=Other).in_engine_client and Other._add_request.__name__ == "_add_request"
+    class NoNotice:  # the hold alone, without its refused requests' notice, would leave vLLM the held parameters
+        async def _add_request(self, request, prompt, parent_req, index, queue):  # noqa: ANN001
+            ...
+
+    for engine_client in (Other, NoNotice):
+        original = engine_client._add_request
+        assert not HandoffMiddleware(_App(), engine_client=engine_client).in_engine_client and engine_client._add_request is original
     client = _engine_client()
     original = client._add_request
     HandoffMiddleware(_App(), engine_client=client)

@@ -60,6 +60,12 @@ def test_bad_input_gets_the_right_4xx_with_an_openai_error_body(router, stack):
         assert r.status_code == expected, f"{name}: {r.status_code} {r.text[:300]}"
         error = r.json()["error"]
         assert error["message"] and error["type"], name
+    # ... and every worker still serves: a refused early decode leg once took its decode engine down (vLLM's notice of the
+    # refusal carried the leg's parameters before the push had said where the prefill's blocks are)
+    for _ in stack.workers("decode"):
+        r = router.post("/v1/completions", json={"model": _model(stack), "prompt": "Hello world, my name is", "max_tokens": 4})
+        assert r.status_code == 200, r.text[:300]
+    assert all(httpx.get(w.url + "/health", timeout=10).status_code == 200 for role in ("prefill", "decode") for w in stack.workers(role))
 
 
 _JSON_VALUES = st.recursive(

@@ -231,6 +231,9 @@ _GONE = object()
 
 # vLLM's engine client method an early leg waits in, and its parameters as vLLM 0.26 and 0.32 have them.
 _HOLD_METHOD, _HOLD_SIGNATURE = "_add_request", ("self", "request", "prompt", "parent_req", "index", "queue")
+# ... and the one vLLM calls with a request's kv_transfer_params when it refused the request or the request's task was
+# cancelled before it reached the engine (vLLM's _with_kv_transfer_rejection_cleanup), both versions alike.
+_REJECTED_METHOD, _REJECTED_SIGNATURE = "notify_kv_transfer_request_rejected", ("self", "request_id", "kv_transfer_params", "data_parallel_rank")
 
 
 def hold_in_engine_client(middleware: HandoffMiddleware, engine_client: type | None = None) -> bool:
@@ -240,16 +243,24 @@ def hold_in_engine_client(middleware: HandoffMiddleware, engine_client: type | N
     Called in the server's process when vLLM builds its app, before any request; the last middleware built holds (one per
     server). A request is an early leg when its parameters name a hand-off key and a remote prefill not yet located
     (:func:`_held_key`); any other goes on untouched.
+
+    vLLM also hands a request's parameters to its engine core when it refused the request (a bad ``max_tokens``) or the
+    request's task was cancelled (its client left) before it was added: a "rejected" request whose connector frees the
+    prefill's blocks. A held leg's parameters do not yet say where those are, and vLLM 0.32's NIXL scheduler dies on them
+    (``KeyError: 'remote_block_ids'``: the decode engine down, every request after it failing). So that notice waits for
+    the push too and goes with the pushed parameters (the prefill's blocks freed, as when the leg waited in the server),
+    or not at all when no push came. Without both methods as checked, the server holds early legs.
     """
     if engine_client is None:
         try:
             from vllm.v1.engine.async_llm import AsyncLLM as engine_client
         except ImportError:
             return False
-    method = getattr(engine_client, _HOLD_METHOD, None)
-    original = getattr(method, "__wrapped_by_hybrid_pd__", method)
-    if original is None or not inspect.iscoroutinefunction(original) or tuple(inspect.signature(original).parameters) != _HOLD_SIGNATURE:
-        log.info("early legs wait in the server: %s.%s is not the engine client method this vLLM was checked with", engine_client.__name__, _HOLD_METHOD)
+    add, rejected = (_unwrapped(engine_client, name, signature) for name, signature in ((_HOLD_METHOD, _HOLD_SIGNATURE),
+                                                                                      (_REJECTED_METHOD, _REJECTED_SIGNATURE)))  # fmt: skip
+    if add is None or rejected is None:
+        log.info("early legs wait in the server: %s lacks the engine client methods this vLLM was checked with (%s, %s)",
+                 engine_client.__name__, _HOLD_METHOD, _REJECTED_METHOD)  # fmt: skip
         return False
 
     async def _add_request(self: Any, request: Any, prompt: Any, parent_req: Any, index: int, queue: Any) -> Any:
@@ -257,11 +268,29 @@ def hold_in_engine_client(middleware: HandoffMiddleware, engine_client: type | N
         params = extra.get("kv_transfer_params") if isinstance(extra, dict) else None
         if _held_key(params) is not None:
             extra["kv_transfer_params"] = await middleware.release(params)
-        return await original(self, request, prompt, parent_req, index, queue)
+        return await add(self, request, prompt, parent_req, index, queue)
 
-    _add_request.__wrapped_by_hybrid_pd__ = original  # type: ignore[attr-defined]
-    setattr(engine_client, _HOLD_METHOD, _add_request)
+    async def notify_kv_transfer_request_rejected(self: Any, request_id: str, kv_transfer_params: Any, *, data_parallel_rank: Any = None) -> None:
+        if _held_key(kv_transfer_params) is not None:
+            kv_transfer_params = await middleware.release(kv_transfer_params)
+            if kv_transfer_params is None:
+                return  # no push: no prefill's blocks this worker knows of
+        await rejected(self, request_id, kv_transfer_params, data_parallel_rank=data_parallel_rank)
+
+    for name, original, wrapper in ((_HOLD_METHOD, add, _add_request), (_REJECTED_METHOD, rejected, notify_kv_transfer_request_rejected)):
+        wrapper.__wrapped_by_hybrid_pd__ = original  # type: ignore[attr-defined]
+        setattr(engine_client, name, wrapper)
     return True
+
+
+def _unwrapped(engine_client: type, name: str, signature: tuple[str, ...]) -> Callable[..., Awaitable[Any]] | None:
+    """``engine_client``'s coroutine method ``name`` as vLLM defines it (under our wrapper, if a server app was built before),
+    or None where it lacks it or its parameters are not ``signature``."""
+    method = getattr(engine_client, name, None)
+    original = getattr(method, "__wrapped_by_hybrid_pd__", method)
+    if original is None or not inspect.iscoroutinefunction(original) or tuple(inspect.signature(original).parameters) != signature:
+        return None
+    return original
 
 
 def _held_key(params: Any) -> str | None:
