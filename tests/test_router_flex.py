@@ -112,27 +112,38 @@ async def test_under_a_split_prompts_outside_the_planners_bounds_go_whole_to_any
     assert shown["split_prompts"] == [500, 8000]
 
 
-async def test_the_planner_moves_roles_from_the_traffic_it_measured(tmp_path):
-    """1000/512-token requests, 128 in flight, on four flexible workers under 500/20 ms: the simulator puts 1P3D first
-    (docs/sizing.md), and the planner gives one worker, the one decoding fewest, the prefills."""
+def _four_flex_planner(tmp_path: Path, workers: object, **settings: object) -> tuple[object, list[str]]:
+    """A router over four flexible workers with the planner (the four-H100 profile, 14 GiB of cache, 500/20 ms unless
+    ``settings`` say otherwise, a look every 0.2 s over 10 s) and the workers' URLs."""
     flex = [f"http://flex-{i}.test:{i + 1}" for i in range(4)]
     profile = tmp_path / "profile.json"
     Profile.load(H100_PROFILE).model_copy(update={"cache_bytes": 14 << 30}).save(profile)
-    app = router_app(
-        FlexWorkers(), prefill=[], decode=[], flex=flex, slo_ttft_ms=500.0, slo_tpot_ms=20.0, planner_profile=str(profile),
-        planner_interval_s=0.2, planner_window_s=10.0,
-    )  # fmt: skip
+    settings = {"slo_ttft_ms": 500.0, "slo_tpot_ms": 20.0, "planner_profile": str(profile), "planner_interval_s": 0.2,
+                "planner_window_s": 10.0, **settings}  # fmt: skip
+    return router_app(workers, prefill=[], decode=[], flex=flex, **settings), flex
+
+
+def _chat_in_flight(traffic: object, now: float, in_flight: int, slo: SLO | None = None) -> None:
+    """``in_flight`` requests of 1000/512 tokens in the window since 10 s ago, and a closed loop's last 3.2 s: each one that
+    ends is followed by the next (half of them)."""
+    for _ in range(in_flight):
+        traffic.started(now - 10, 1000, 512, slo)
+    for i in range(in_flight // 2):
+        at = now - 5 + i * 6.4 / in_flight
+        traffic.ended(at, 1000, 512, 1000, 512)
+        traffic.started(at, 1000, 512, slo)
+
+
+async def test_the_planner_moves_roles_from_the_traffic_it_measured(tmp_path):
+    """1000/512-token requests, 128 in flight, on four flexible workers under 500/20 ms: the simulator puts 1P3D first
+    (docs/sizing.md), and the planner gives one worker, the one decoding fewest, the prefills."""
+    app, flex = _four_flex_planner(tmp_path, FlexWorkers())
     state = app.state.router
     async with app.router.lifespan_context(app):
         for i, worker in enumerate(state.registry.all()):
             state.registry.record_health(worker, ok=True)
             worker.load.decodes = 40 - i  # the last one decodes fewest
-        traffic, now = state.planner.traffic, time.perf_counter()
-        for _ in range(128):
-            traffic.started(now - 10, 1000, 512)
-        for i in range(64):  # a closed loop: each one that ends is followed by the next
-            traffic.ended(now - 5 + i * 0.05, 1000, 512, 1000, 512)
-            traffic.started(now - 5 + i * 0.05, 1000, 512)
+        _chat_in_flight(state.planner.traffic, time.perf_counter(), 128)
         deadline = time.perf_counter() + 60  # the decision's process starts first
         while state.planner.moves == 0 and time.perf_counter() < deadline:
             await asyncio.sleep(0.1)
@@ -164,23 +175,12 @@ async def test_a_request_asks_for_its_slo_in_headers_and_a_bad_one_is_refused():
 async def test_the_planner_sizes_for_the_slo_the_requests_asked_for(tmp_path):
     """The router's own targets are 500/20 ms, under which 128 in flight of 1000/512 are best on 1P3D
     (test_the_planner_moves_roles_from_the_traffic_it_measured); the requests ask for 4000/15, under which whole requests are best (the four-H100 profile): they stay whole."""
-    flex = [f"http://flex-{i}.test:{i + 1}" for i in range(4)]
-    profile = tmp_path / "profile.json"
-    Profile.load(H100_PROFILE).model_copy(update={"cache_bytes": 14 << 30}).save(profile)
-    app = router_app(
-        FlexWorkers(), prefill=[], decode=[], flex=flex, slo_ttft_ms=500.0, slo_tpot_ms=20.0, planner_profile=str(profile),
-        planner_interval_s=0.2, planner_window_s=10.0,
-    )  # fmt: skip
+    app, _ = _four_flex_planner(tmp_path, FlexWorkers())
     state = app.state.router
     async with app.router.lifespan_context(app):
         for worker in state.registry.all():
             state.registry.record_health(worker, ok=True)
-        traffic, now = state.planner.traffic, time.perf_counter()
-        for _ in range(128):
-            traffic.started(now - 10, 1000, 512, SLO(4000, 15))
-        for i in range(64):
-            traffic.ended(now - 5 + i * 0.05, 1000, 512, 1000, 512)
-            traffic.started(now - 5 + i * 0.05, 1000, 512, SLO(4000, 15))
+        _chat_in_flight(state.planner.traffic, time.perf_counter(), 128, SLO(4000, 15))
         deadline = time.perf_counter() + 60  # the decision's process starts first
         while state.planner.decision is None and time.perf_counter() < deadline:
             await asyncio.sleep(0.1)
@@ -229,16 +229,10 @@ async def test_two_routers_agree_the_one_up_longest_decides_for_the_traffic_of_b
     """Each router has half of 128 requests in flight of 1000/512 tokens, on four flexible workers under 500/20 ms. Alone, 64
     in flight, whole requests are best (the four-H100 matrix); together, 1P3D. Both have the profile: the older decides from
     the merged traffic, the other takes its roles (deciding alone, it would keep whole requests)."""
-    flex = [f"http://flex-{i}.test:{i + 1}" for i in range(4)]
-    profile = tmp_path / "profile.json"
-    Profile.load(H100_PROFILE).model_copy(update={"cache_bytes": 14 << 30}).save(profile)
     workers, apps = FlexWorkers(), {}
     network = _routers(workers, apps)
     for name, peer in (("a", "b"), ("b", "a")):
-        apps[name] = router_app(
-            network, prefill=[], decode=[], flex=flex, slo_ttft_ms=500.0, slo_tpot_ms=20.0, planner_profile=str(profile),
-            planner_interval_s=0.2, planner_window_s=10.0, planner_peers=[f"http://{peer}.test:9"],
-        )  # fmt: skip
+        apps[name], _ = _four_flex_planner(tmp_path, network, planner_peers=[f"http://{peer}.test:9"])
     a, b = (apps[n].state.router for n in "ab")
     a.planner.id, b.planner.id = "1-a", "2-b"  # a started first
     async with contextlib.AsyncExitStack() as stack:
@@ -249,11 +243,7 @@ async def test_two_routers_agree_the_one_up_longest_decides_for_the_traffic_of_b
             for i, worker in enumerate(state.registry.all()):
                 state.registry.record_health(worker, ok=True)
                 worker.load.decodes = 40 - i
-            for _ in range(64):
-                state.planner.traffic.started(now - 10, 1000, 512)
-            for i in range(32):
-                state.planner.traffic.ended(now - 5 + i * 0.1, 1000, 512, 1000, 512)
-                state.planner.traffic.started(now - 5 + i * 0.1, 1000, 512)
+            _chat_in_flight(state.planner.traffic, now, 64)
         deadline = time.perf_counter() + 60  # the decisions' processes start first
         while (a.planner.moves == 0 or b.pairing.roles != a.pairing.roles) and time.perf_counter() < deadline:
             await asyncio.sleep(0.1)

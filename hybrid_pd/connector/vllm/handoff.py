@@ -214,16 +214,18 @@ class HandoffMiddleware:
         :data:`_GONE` when the client left first (``receive``: the connection to watch; None: the caller's cancellation)."""
         if key not in self._arrived:
             event = self._waiting[key] = asyncio.Event()
-            pushed = asyncio.ensure_future(event.wait())
-            left = asyncio.ensure_future(_disconnected(receive) if receive is not None else asyncio.Event().wait())
+            waits = [asyncio.ensure_future(event.wait())]
+            if receive is not None:
+                waits.append(asyncio.ensure_future(_disconnected(receive)))
             try:
-                await asyncio.wait((pushed, left), timeout=WAIT_LIMIT_S, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(waits, timeout=WAIT_LIMIT_S, return_when=asyncio.FIRST_COMPLETED)
             finally:
-                pushed.cancel()
-                left.cancel()
+                for waiting in waits:
+                    waiting.cancel()
                 del self._waiting[key]
             if not event.is_set():
-                return _GONE if left.done() and not left.cancelled() else None
+                left = waits[1:] and waits[1].done() and not waits[1].cancelled()
+                return _GONE if left else None
         return self._arrived.pop(key)
 
 
