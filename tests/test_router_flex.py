@@ -24,10 +24,12 @@ H100_PROFILE = Path(__file__).parent.parent / "hybrid_pd/bench/results/2026-11-2
 
 
 class FlexWorkers:
-    """Two scripted kv_both workers: a prefill leg gets state to pull, any other request a decoded answer."""
+    """Two scripted kv_both workers: a prefill leg gets state to pull, any other request a decoded answer. Their tokenizer
+    counts ``tokens_per_estimate`` tokens for each the router estimates from the text (4 bytes a token)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tokens_per_estimate: float = 1.0) -> None:
         self.calls: list[tuple[str, dict]] = []
+        self.tokens_per_estimate = tokens_per_estimate
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         if request.method == "GET":
@@ -36,10 +38,11 @@ class FlexWorkers:
             return httpx.Response(200, json={})
         body = json.loads(request.content)
         self.calls.append((request.url.host, body))
+        prompt = max(1, round(len(str(body.get("prompt", "")).encode()) // 4 * self.tokens_per_estimate))
         if (body.get("kv_transfer_params") or {}).get("do_remote_decode"):
-            usage = {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}
+            usage = {"prompt_tokens": prompt, "completion_tokens": 1, "total_tokens": prompt + 1}
             return httpx.Response(200, json={"choices": [{"index": 0, "text": "P"}], "usage": usage, "kv_transfer_params": KV})
-        usage = {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+        usage = {"prompt_tokens": prompt, "completion_tokens": 3, "total_tokens": prompt + 3}
         return httpx.Response(200, json={"choices": [{"index": 0, "text": " decoded"}], "usage": usage})
 
 
@@ -84,7 +87,7 @@ async def test_in_the_planners_roles_one_flex_worker_prefills_and_the_other_pull
     (prefill_host, prefill), (decode_host, decode) = workers.calls
     assert (prefill_host, decode_host) == ("flex-b.test", "flex-a.test")
     assert prefill["kv_transfer_params"]["do_remote_decode"] and decode["kv_transfer_params"]["remote_engine_id"] == KV["remote_engine_id"]
-    assert r.json()["usage"]["prompt_tokens"] == 5 and _counter(metrics, "hybrid_pd_disaggregated_total", "planner") == 1
+    assert r.json()["usage"]["prompt_tokens"] == 1000 and _counter(metrics, "hybrid_pd_disaggregated_total", "planner") == 1
     assert "hybrid_pd_planner_prefill_workers 1.0" in metrics and "hybrid_pd_planner_moves_total 1.0" in metrics
     assert shown["layout"] == "1P1D" and shown["roles"] == {FLEX_A: "decode", FLEX_B: "prefill"}
 
@@ -110,6 +113,23 @@ async def test_under_a_split_prompts_outside_the_planners_bounds_go_whole_to_any
         assert [r.status_code for r in answers] == [200, 200] and not [b for _, b in calls if "kv_transfer_params" in b]
         assert "flex-b.test" in {host for host, _ in calls}  # the prefiller served one whole
     assert shown["split_prompts"] == [500, 8000]
+
+
+async def test_the_split_bounds_are_in_the_tokens_the_workers_count_not_the_routers_estimate():
+    """The planner sizes, and bounds its split, in the tokens the workers count; the router estimates a request from its text
+    at 4 bytes a token. A tokenizer of 2 bytes a token (the GPU run's, about): a prompt of 4000 bytes, estimated 1000, counts
+    2000, inside roles sized for 1500-3000, and is split (compared raw, 1000 < 1500: served whole, as every document was on
+    four GPUs)."""
+    workers = FlexWorkers(tokens_per_estimate=2.0)
+    async with _router(workers) as (client, state):
+        first = await client.post("/v1/completions", json={"model": "m", "prompt": "y" * 4000, "max_tokens": 3})  # its usage sets the ratio
+        assert first.status_code == 200 and first.json()["usage"]["prompt_tokens"] == 2000
+        state.planner.apply({FLEX_A: "decode", FLEX_B: "prefill"}, "test", Lengths(1500, 3000))
+        workers.calls.clear()
+        r = await client.post("/v1/completions", json={"model": "m", "prompt": "x" * 4000, "max_tokens": 3})
+        metrics = (await client.get("/metrics")).text
+    assert r.status_code == 200 and [host for host, _ in workers.calls] == ["flex-b.test", "flex-a.test"]  # B prefilled, A decoded
+    assert _counter(metrics, "hybrid_pd_disaggregated_total", "planner") == 1
 
 
 def _four_flex_planner(tmp_path: Path, workers: object, **settings: object) -> tuple[object, list[str]]:

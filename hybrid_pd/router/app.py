@@ -101,16 +101,18 @@ def create_app(settings: RouterSettings, transport: httpx.AsyncBaseTransport | N
     for role, urls in (("prefill", settings.prefill), ("decode", settings.decode), ("flex", settings.flex)):
         for url in urls:
             registry.add(Worker(url=url, role=role, identity=WorkerIdentity(role=role), static=True))
+    traffic = TrafficWindow(settings.planner_window_s, settings.planner_interval_s)
     pairing = Pairing(
         registry,
         decode_policy=make_policy(settings.decode_policy, _policy_context(settings, metrics, "decode")),
         prefill_policy=make_policy(settings.prefill_policy, _policy_context(settings, metrics, "prefill")),
         min_tokens=settings.local_prefill_below_tokens,
         per_worker_limit=settings.max_concurrency_per_worker,
+        prompt_tokens=traffic.prompt_tokens,
     )
     register_signals(metrics.registry, registry, settings.max_concurrency_per_worker)
     profile = Profile.load(profile_path(settings.planner_profile)) if settings.planner_profile is not None else None
-    planner = Planner(settings, registry, pairing, metrics, TrafficWindow(settings.planner_window_s, settings.planner_interval_s), profile)
+    planner = Planner(settings, registry, pairing, metrics, traffic, profile)
     state = RouterState(settings=settings, registry=registry, metrics=metrics, pairing=pairing, planner=planner)
     timeout = httpx.Timeout(settings.request_timeout_s, connect=settings.connect_timeout_s)
 

@@ -13,13 +13,18 @@ Flexible workers take the roles the planner gives them (:mod:`hybrid_pd.router.p
 ``roles`` by worker URL): one that prefills is left out of the decode candidates (unless no
 other is left), one that decodes gets its prompts from those that prefill, and one with no
 role serves whole requests. A prompt outside the planner's ``split_prompts`` is served whole
-by any of them (:attr:`hybrid_pd.sizing.planner.Decision.split_prompts` says why).
+by any of them (:attr:`hybrid_pd.sizing.planner.Decision.split_prompts` says why). Those bounds
+are in tokens the workers count, as the planner sized them; a request's size at routing is an
+estimate from its text, so ``prompt_tokens`` turns it into counted tokens first (the router's
+traffic window: :meth:`hybrid_pd.sizing.traffic.TrafficWindow.prompt_tokens`). Compared raw, a
+tokenizer of other than 4 bytes a token moves every prompt to one side of the bounds (on four
+GPUs, 16000-token documents estimated at ~7700 were all served whole under the 3P1D sized for them).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
 from hybrid_pd.common.logs import kv
@@ -46,12 +51,22 @@ class PrefillChoice:
 class Pairing:
     """The pipeline over one registry, with a policy per role, the planner's roles of its flexible workers and a limit of legs in flight per worker."""
 
-    def __init__(self, registry: Registry, decode_policy: Policy, prefill_policy: Policy, min_tokens: int, per_worker_limit: int) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        decode_policy: Policy,
+        prefill_policy: Policy,
+        min_tokens: int,
+        per_worker_limit: int,
+        prompt_tokens: Callable[[int], int],
+    ) -> None:
+        """``prompt_tokens``: the tokens a prompt estimated at so many from its text counts (``split_prompts``' unit)."""
         self._registry = registry
         self._decode_policy = decode_policy
         self._prefill_policy = prefill_policy
         self.roles: dict[str, Role] = {}  # flexible workers' roles by URL, the planner's; none: whole requests
-        self.split_prompts: Lengths | None = None  # prompt tokens (estimated) the planner's split serves; others whole on any flexible worker
+        self.split_prompts: Lengths | None = None  # prompt tokens (counted) the planner's split serves; others whole on any flexible worker
+        self._prompt_tokens = prompt_tokens
         self._min_tokens = min_tokens
         self._limit = per_worker_limit
 
@@ -86,7 +101,7 @@ class Pairing:
     def _split(self, request: RequestInfo) -> bool:
         """Whether the planner's roles split ``request``: its prompt within the lengths they were sized for."""
         bounds = self.split_prompts
-        return bounds is None or bounds.low <= request.est_tokens <= bounds.high
+        return bounds is None or bounds.low <= self._prompt_tokens(request.est_tokens) <= bounds.high
 
     def _under_limit(self, workers: Iterable[Worker]) -> list[Worker]:
         return [w for w in workers if w.inflight < self._limit]

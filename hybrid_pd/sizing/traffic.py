@@ -88,10 +88,15 @@ class TrafficWindow:
             self.output_ratio += weight * (completion_tokens / max(1, max_tokens) - self.output_ratio)
             self._counted = True
 
+    def prompt_tokens(self, estimate: int) -> int:
+        """The tokens a prompt estimated at ``estimate`` from its text counts, by the answers so far: the unit the planner
+        sizes in, so also that of its ``split_prompts``, which the router compares each request's estimate with."""
+        return round(estimate * self.prompt_ratio)
+
     def view(self, now: float) -> WindowView:
         """The window as a peer merges it (:meth:`merged`)."""
         self._forget(now - self.seconds)
-        arrived = tuple((now - when, round(p * self.prompt_ratio), round(o * self.output_ratio), slo) for when, p, o, slo in self._arrived)
+        arrived = tuple((now - when, self.prompt_tokens(p), round(o * self.output_ratio), slo) for when, p, o, slo in self._arrived)
         return WindowView(arrived, tuple((now - when, inflight) for when, inflight in self._changes))
 
     @classmethod
@@ -119,7 +124,7 @@ class TrafficWindow:
             start = self._phase_start = now - self.recent_s
         if now <= start:
             return None
-        arrived = [(round(p * self.prompt_ratio), round(o * self.output_ratio), slo) for when, p, o, slo in self._arrived if when >= start]
+        arrived = [(self.prompt_tokens(p), round(o * self.output_ratio), slo) for when, p, o, slo in self._arrived if when >= start]
         return traffic_of(arrived, self._mean_inflight(start, now), now - start)
 
     def _forget(self, since: float) -> None:
