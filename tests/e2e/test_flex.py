@@ -116,12 +116,14 @@ class _Leader:
 
     def __init__(self) -> None:
         self.roles: dict[str, str] = {}
+        self.split_prompts: list[int] | None = None
         leader = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 - http.server's name
                 window = {"arrived": [], "inflight": []}
-                body = json.dumps({"id": "0", "decides": True, "roles": leader.roles, "window": window}).encode()
+                shared = {"id": "0", "decides": True, "roles": leader.roles, "split_prompts": leader.split_prompts, "window": window}
+                body = json.dumps(shared).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
@@ -190,3 +192,33 @@ def test_roles_moved_under_load_lose_no_request_and_answer_like_colocated(bench_
     counted = lambda name, reason: float(re.search(rf'^{name}{{reason="{reason}"}} (\S+)$', metrics, re.M).group(1))  # noqa: E731
     assert counted("hybrid_pd_disaggregated_total", "planner") > 0 and counted("hybrid_pd_fallbacks_total", "replica") > 0
     assert all(settled(lambda c=c: metric(c, XFERS)) > before for c, before in zip(flex, pulled, strict=True)), "each worker pulled"
+
+
+def test_a_text_prompt_inside_the_split_bounds_is_split_though_its_estimate_is_not(bench_dir, colocated, tmp_path):
+    """The planner's split bounds are in the tokens the workers count; the router estimates a text prompt at 4 bytes a token.
+    Our tokenizer counts ~2.4 tokens per estimated one in this text: bounds sized around its count hold the count, not the
+    estimate. Once an answer told the ratio, every request of it is split (before the fix, each was served whole) and answers
+    like colocated."""
+    _, urls = bench_dir
+    model = colocated.get("/v1/models").json()["data"][0]["id"]
+    text = "Pack my box with five dozen liquor jugs. " * 20
+    counted = colocated.post("/v1/completions", json={"model": model, "prompt": text, "max_tokens": 1}).json()["usage"]["prompt_tokens"]
+    assert counted > 1.5 * len(text.encode()) // 4  # the premise: count and estimate part
+    expected = _greedy(str(colocated.base_url).rstrip("/"), text, model)[0]
+    leader, port = _Leader(), free_port()
+    leader.roles, leader.split_prompts = {urls["flex0"]: "prefill", urls["flex1"]: "decode"}, [int(counted * 0.8), int(counted * 1.25)]
+    argv = cli("router", "--port", str(port), "--flex", urls["flex0"], "--flex", urls["flex1"], "--planner-peer", leader.url,
+               "--planner-interval-s", "0.2")  # fmt: skip
+    proc = spawn(argv, log=tmp_path / "router.log")
+    router = f"http://127.0.0.1:{port}"
+    try:
+        assert wait_http_ok(router + "/health", lambda: proc.poll() is None, 60)
+        assert wait_routed(router, {urls["flex0"], urls["flex1"]}, 60, lambda: proc.poll() is None)
+        assert wait_for(lambda: httpx.get(router + "/planner").json()["split_prompts"] == leader.split_prompts, 10)
+        tokens = [_greedy(router, text)[0] for _ in range(4)]  # the first answer sets the ratio; it may go whole
+        metrics = httpx.get(router + "/metrics").text
+    finally:
+        stop_group(proc)
+        leader.server.shutdown()
+    assert tokens == [expected] * 4
+    assert float(re.search(r'^hybrid_pd_disaggregated_total{reason="planner"} (\S+)$', metrics, re.M).group(1)) >= 3
