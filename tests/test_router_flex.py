@@ -24,12 +24,18 @@ H100_PROFILE = Path(__file__).parent.parent / "hybrid_pd/bench/results/2026-11-2
 
 
 class FlexWorkers:
-    """Two scripted kv_both workers: a prefill leg gets state to pull, any other request a decoded answer. Their tokenizer
-    counts ``tokens_per_estimate`` tokens for each the router estimates from the text (4 bytes a token)."""
+    """Two scripted kv_both workers: a prefill leg gets state to pull, any other request a decoded answer (with its usage
+    unless ``usage`` is False). Their tokenizer counts ``tokens_per_estimate`` tokens for each the router estimates from the
+    text (4 bytes a token), in the answers' usage and on ``/tokenize`` (those asks kept in ``tokenized``)."""
 
-    def __init__(self, tokens_per_estimate: float = 1.0) -> None:
+    def __init__(self, tokens_per_estimate: float = 1.0, usage: bool = True) -> None:
         self.calls: list[tuple[str, dict]] = []
+        self.tokenized: list[dict] = []
         self.tokens_per_estimate = tokens_per_estimate
+        self.usage = usage
+
+    def count(self, prompt: str) -> int:
+        return max(1, round(len(prompt.encode()) // 4 * self.tokens_per_estimate))
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         if request.method == "GET":
@@ -37,13 +43,16 @@ class FlexWorkers:
                 return httpx.Response(200, json={"object": "list", "data": [{"id": "m"}]})
             return httpx.Response(200, json={})
         body = json.loads(request.content)
+        if request.url.path == "/tokenize":
+            self.tokenized.append(body)
+            return httpx.Response(200, json={"count": self.count(body["prompt"]), "max_model_len": 4096, "tokens": []})
         self.calls.append((request.url.host, body))
-        prompt = max(1, round(len(str(body.get("prompt", "")).encode()) // 4 * self.tokens_per_estimate))
+        prompt = self.count(str(body.get("prompt", "")))
         if (body.get("kv_transfer_params") or {}).get("do_remote_decode"):
             usage = {"prompt_tokens": prompt, "completion_tokens": 1, "total_tokens": prompt + 1}
             return httpx.Response(200, json={"choices": [{"index": 0, "text": "P"}], "usage": usage, "kv_transfer_params": KV})
         usage = {"prompt_tokens": prompt, "completion_tokens": 3, "total_tokens": prompt + 3}
-        return httpx.Response(200, json={"choices": [{"index": 0, "text": " decoded"}], "usage": usage})
+        return httpx.Response(200, json={"choices": [{"index": 0, "text": " decoded"}], **({"usage": usage} if self.usage else {})})
 
 
 def _counter(text: str, name: str, reason: str) -> float:
@@ -130,6 +139,28 @@ async def test_the_split_bounds_are_in_the_tokens_the_workers_count_not_the_rout
         metrics = (await client.get("/metrics")).text
     assert r.status_code == 200 and [host for host, _ in workers.calls] == ["flex-b.test", "flex-a.test"]  # B prefilled, A decoded
     assert _counter(metrics, "hybrid_pd_disaggregated_total", "planner") == 1
+
+
+async def test_a_worker_counts_a_prompt_when_none_was_lately_so_the_planner_sizes_right_before_any_answer(tmp_path):
+    """An answer's usage tells the tokens only when it ends. A router that counted no prompt in the last period has a worker
+    count the next text prompt (vLLM's ``/tokenize``), off the request's path: with answers that tell no usage at all, the
+    window's estimates are corrected after the first text request (2 tokens per estimated one). A prompt of token ids needs
+    no count and does not use up the period's; a second text prompt within the period is not counted again."""
+    workers = FlexWorkers(tokens_per_estimate=2.0, usage=False)
+    app, _ = _four_flex_planner(tmp_path, workers, planner_interval_s=30.0)
+    state = app.state.router
+    async with app.router.lifespan_context(app), asgi_client(app) as client:
+        for worker in state.registry.all():
+            state.registry.record_health(worker, ok=True)
+        answers = [await client.post("/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 3})
+                   for prompt in ([1, 2, 3], "x" * 4000, "y" * 8000)]  # fmt: skip
+        deadline = time.perf_counter() + 10
+        while state.planner.traffic.prompt_ratio == 1.0 and time.perf_counter() < deadline:
+            await asyncio.sleep(0.01)
+        corrected = state.planner.traffic.prompt_tokens(1000)
+    assert [r.status_code for r in answers] == [200] * 3 and answers[1].json()["usage"] is None
+    assert workers.tokenized == [{"model": "m", "prompt": "x" * 4000}]
+    assert corrected == 2000
 
 
 def _four_flex_planner(tmp_path: Path, workers: object, **settings: object) -> tuple[object, list[str]]:

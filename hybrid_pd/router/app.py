@@ -44,6 +44,7 @@ from hybrid_pd.router.metrics import GENERATION, Route, RouterMetrics
 from hybrid_pd.router.pairing import Pairing
 from hybrid_pd.router.planner import PEER_PATH, Planner
 from hybrid_pd.router.policies import PolicyContext, RequestInfo, make_policy
+from hybrid_pd.router.prompt_count import count_prompt
 from hybrid_pd.router.registry import Registry, Worker
 from hybrid_pd.router.relay import answer_whole, relay_answers
 from hybrid_pd.router.request_slo import TPOT_HEADER, TTFT_HEADER, request_slo, router_slo
@@ -290,6 +291,8 @@ async def _generate(
     # What the planner measures (hybrid_pd/sizing/traffic.py): the estimates now, the workers' counts when the answer is done.
     traffic, estimate, asked = state.planner.traffic, RequestInfo.from_body(body).est_tokens, _max_tokens(body)
     traffic.started(arrived, estimate, asked, slo)
+    if state.planner.looks:
+        count_prompt(state, body, estimate, request_id, arrived)
     usage: dict[str, Any] = {}
     try:
         # Until the answer is complete, nothing else reads from the client: a client that leaves

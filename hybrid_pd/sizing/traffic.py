@@ -69,7 +69,9 @@ class TrafficWindow:
     _arrived: deque[tuple[float, int, int, SLO | None]] = field(default_factory=deque)  # (when, estimated prompt tokens, max_tokens, SLO)
     _changes: deque[tuple[float, int]] = field(default_factory=deque)  # (when, requests in flight from then on)
     _inflight: int = 0
-    _counted: bool = False  # an answer's usage has set the ratios
+    _prompt_counted_at: float = -math.inf  # when a prompt's tokens were last counted (an answer's usage, or a sample's count)
+    _sample_asked_at: float = -math.inf  # when a sample was last asked for (:meth:`sample_prompt`)
+    _outputs_counted: bool = False  # an answer's usage has set the output ratio
     _phase_start: float = -math.inf  # where the last shift was seen: what came before is another phase
 
     def started(self, now: float, prompt_estimate: int, max_tokens: int, slo: SLO | None = None) -> None:
@@ -83,10 +85,27 @@ class TrafficWindow:
         self._inflight -= 1
         self._changes.append((now, self._inflight))
         if prompt_tokens and completion_tokens:
-            weight = _RATIO_WEIGHT if self._counted else 1.0
-            self.prompt_ratio += weight * (prompt_tokens / max(1, prompt_estimate) - self.prompt_ratio)
+            self.prompt_counted(now, prompt_estimate, prompt_tokens)
+            weight = _RATIO_WEIGHT if self._outputs_counted else 1.0
             self.output_ratio += weight * (completion_tokens / max(1, max_tokens) - self.output_ratio)
-            self._counted = True
+            self._outputs_counted = True
+
+    def prompt_counted(self, now: float, prompt_estimate: int, prompt_tokens: int) -> None:
+        """A prompt estimated at ``prompt_estimate`` counts ``prompt_tokens`` (its answer's usage, or a worker's count of a
+        sample): the ratio that corrects the estimates takes it in (the first count sets it)."""
+        weight = _RATIO_WEIGHT if self._prompt_counted_at > -math.inf else 1.0
+        self.prompt_ratio += weight * (prompt_tokens / max(1, prompt_estimate) - self.prompt_ratio)
+        self._prompt_counted_at = now
+
+    def sample_prompt(self, now: float) -> bool:
+        """Whether a worker should count the prompt of a request arriving ``now`` (noted as asked when so): none was counted
+        or asked for in the last ``recent_s``. Usage comes only when an answer ends, so after a start or a pause the
+        estimates would stay uncorrected for an answer's whole length (on four GPUs the planner's first move waited ~5 s
+        for it); in steady traffic the answers keep counting and no sample is asked."""
+        if now - max(self._prompt_counted_at, self._sample_asked_at) <= self.recent_s:
+            return False
+        self._sample_asked_at = now
+        return True
 
     def prompt_tokens(self, estimate: int) -> int:
         """The tokens a prompt estimated at ``estimate`` from its text counts, by the answers so far: the unit the planner
