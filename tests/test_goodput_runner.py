@@ -79,10 +79,11 @@ def test_phases_add_up_over_their_durations_each_request_judged_by_its_phase():
 def test_the_table_sets_every_system_against_the_replicas_at_the_same_point_and_slo():
     fast = summarize(_result([0.1] * 4, [1.1] * 4, [101] * 4), [(500, 20)], gpus=2)
     slow = summarize(_result([0.1, 0.1, 0.9, 0.9], [1.1, 1.1, 1.9, 1.9], [101] * 4), [(500, 20)], gpus=2)
+    decisions = {"hybrid_pd_disaggregated_total": 3.0, "hybrid_pd_fallbacks_total": 1.0}  # the share the router split
     rows = [{"system": "replicas", "workload": "1000/64", "level": 32, "summary": slow},
-            {"system": "adaptive", "workload": "1000/64", "level": 32, "summary": fast}]  # fmt: skip
+            {"system": "adaptive", "workload": "1000/64", "level": 32, "summary": fast, "router_decisions": decisions}]  # fmt: skip
     text = table(rows, ["500/20"])
-    assert "| 1000/64 | 32 | 500/20 | adaptive | 2.00 | 1.00 | 10.0 | 10.0 | 100.0 | 100.0 | 2.00x | 1.00x |" in text
+    assert "| 1000/64 | 32 | 500/20 | adaptive | 2.00 | 1.00 | 10.0 | 10.0 | 100.0 | 100.0 | 2.00x | 1.00x | 75% |" in text
     assert "| 1000/64 | 32 | 500/20 | replicas | 2.00 | 0.50 |" in text
     # Points with an SLO of their own: compared with the replicas under the same pair only; --slo's other pairs as columns.
     loose = [(1000, 20), (500, 20)]
@@ -93,7 +94,7 @@ def test_the_table_sets_every_system_against_the_replicas_at_the_same_point_and_
     text = table(rows, ["500/20", "1000/20"])
     assert "| workload | in flight | SLO | system | req/s | goodput /GPU | goodput 1000/20 /GPU |" in text
     assert "| 1000/64 | 32 | 1000/20 | replicas | 2.00 | 1.00 | 1.00 |" in text
-    assert "| 1000/64 | 32 | 1000/20 | 1P1D | 2.00 | 0.50 | 0.50 | 20.0 | 30.0 | 500.0 | 900.0 | 0.50x | 1.00x |" in text
+    assert "| 1000/64 | 32 | 1000/20 | 1P1D | 2.00 | 0.50 | 0.50 | 20.0 | 30.0 | 500.0 | 900.0 | 0.50x | 1.00x | - |" in text
     assert "| 1000/64 | 32 | 500/20 | replicas | 2.00 | 0.50 | - |" in text and "did not start" not in text
 
 
@@ -101,15 +102,16 @@ def test_the_phase_table_has_each_phase_and_the_whole_run_against_the_replicas()
     chat, documents = _result([0.1, 0.6], [1.1, 1.6], [101, 101]), _result([3.0, 5.0], [4.5, 6.5], [101, 101], duration=6.0)
 
     def run(name, parts):
-        phases = [{"phase": i, "point": p, "summary": summarize(r, [], 4, t)} for i, (p, r, t) in enumerate(parts)]
+        split = {"hybrid_pd_disaggregated_total": 0.0 if name == "replicas" else 2.0, "hybrid_pd_fallbacks_total": 2.0 if name == "replicas" else 0.0}
+        phases = [{"phase": i, "point": p, "summary": summarize(r, [], 4, t), "router_decisions": split} for i, (p, r, t) in enumerate(parts)]
         return {"system": name, "phases": phases, "whole": {"summary": summarize_run([(r, t) for _, r, t in parts], [], 4)}}
 
     runs = [run("replicas", [("1000/512@64", chat, (500, 20)), ("16000/256@32", documents, (4000, 20))]),
             run("planner", [("1000/512@64", chat, (700, 20)), ("16000/256@32", documents, (6000, 20))]),
             {"system": "3P1D", "phases": [], "error": "RuntimeError: boom"}]  # fmt: skip
     text = phase_table(runs)
-    assert "| 1 | 1000/512@64 | 700/20 | planner | 1.00 | 0.25 | 2.00x | 1.00x | 10.0 | 10.0 | 350.0 | 595.0 | 2 |" in text
-    assert "| 2 | 16000/256@32 | 4000/20 | replicas | 0.33 | 0.04 | 1.00x | 1.00x | 15.0 | 15.0 | 4000.0 | 4980.0 | 6 |" in text
+    assert "| 1 | 1000/512@64 | 700/20 | planner | 1.00 | 0.25 | 2.00x | 1.00x | 10.0 | 10.0 | 350.0 | 595.0 | 2 | 100% |" in text
+    assert "| 2 | 16000/256@32 | 4000/20 | replicas | 0.33 | 0.04 | 1.00x | 1.00x | 15.0 | 15.0 | 4000.0 | 4980.0 | 6 | 0% |" in text
     assert "| all | 1000/512@64 -> 16000/256@32 | 700/20, 6000/20 | planner | 0.50 | 0.12 | 2.00x | 1.00x |" in text
     assert "3P1D" not in text
 

@@ -304,6 +304,16 @@ def _ratio(value: float, base: float) -> str:
     return f"{value / base:.2f}x" if base else ("=" if not value else "inf")
 
 
+def _split_share(decisions: dict[str, float] | None) -> str:
+    """The share of a run's requests its router split (prefilled on another worker), from its decision counters; "-" without
+    them. What a layout's goodput is made of: the four-GPU planner run's documents phase read 0% under the 3P1D it had
+    chosen, a bug no goodput figure showed."""
+    if not decisions:
+        return "-"
+    split, local = decisions["hybrid_pd_disaggregated_total"], decisions["hybrid_pd_fallbacks_total"]
+    return f"{split / (split + local):.0%}" if split + local else "-"
+
+
 def table(rows: list[dict[str, Any]], slos: list[str], baseline: str = "replicas") -> str:
     """A markdown table: each system's figures at each point, goodput at the point's SLO (and at each of ``slos[1:]``),
     goodput and throughput against ``baseline`` at the same point. Rows without an SLO of their own are judged at ``slos[0]``."""
@@ -312,7 +322,7 @@ def table(rows: list[dict[str, Any]], slos: list[str], baseline: str = "replicas
 
     base = {key(r): r["summary"] for r in rows if r["system"] == baseline and "summary" in r}
     head = ["workload", "in flight", "SLO", "system", "req/s", "goodput /GPU"] + [f"goodput {s} /GPU" for s in slos[1:]]
-    head += ["TPOT mean", "TPOT p99", "TTFT p50", "TTFT p99", f"goodput vs {baseline}", f"req/s vs {baseline}"]
+    head += ["TPOT mean", "TPOT p99", "TTFT p50", "TTFT p99", f"goodput vs {baseline}", f"req/s vs {baseline}", "split"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         if "summary" not in r:  # a run that failed: its error is in its row
@@ -326,6 +336,7 @@ def table(rows: list[dict[str, Any]], slos: list[str], baseline: str = "replicas
             cells += ["", ""]
         else:
             cells += [_ratio(target["req_s"], _target(b, slos[0])["req_s"]), _ratio(s["request_throughput"], b["request_throughput"])]
+        cells.append(_split_share(r.get("router_decisions")))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -346,7 +357,7 @@ def span_table(rows: list[dict[str, Any]]) -> str:
 def phase_table(runs: list[dict[str, Any]], baseline: str = "replicas") -> str:
     """A markdown table of phase-shifting runs: each phase and the whole run (``all``) of each system, against ``baseline``'s."""
     head = ["phase", "traffic", "SLO", "system", "req/s", "goodput /GPU", f"goodput vs {baseline}", f"req/s vs {baseline}",
-            "TPOT mean", "TPOT p99", "TTFT p50", "TTFT p99", "s"]  # fmt: skip
+            "TPOT mean", "TPOT p99", "TTFT p50", "TTFT p99", "s", "split"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     parts: dict[str, dict[str, dict[str, Any]]] = {}
     for run in runs:
@@ -366,6 +377,7 @@ def phase_table(runs: list[dict[str, Any]], baseline: str = "replicas") -> str:
             else:
                 cells += [_ratio(target["req_s"], b["summary"]["target"]["req_s"]), _ratio(s["request_throughput"], b["summary"]["request_throughput"])]
             cells += [_ms(s["tpot_ms"]["mean"]), _ms(s["tpot_ms"]["p99"]), _ms(s["ttft_ms"]["p50"]), _ms(s["ttft_ms"]["p99"]), f"{s['duration_s']:.0f}"]
+            cells.append(_split_share(part.get("router_decisions")))
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
