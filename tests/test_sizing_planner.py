@@ -152,7 +152,7 @@ def test_after_a_shift_in_the_traffic_the_window_sizes_for_the_new_phase_alone()
     assert (traffic.requests, traffic.prompt, traffic.output) == (13, Lengths(1000, 16000), Lengths(256, 512))  # 2 s: chat and documents
     later = window.summary(111.0)
     assert (later.prompt, later.output) == (Lengths(16000, 16000), Lengths(256, 256)), later  # the documents dominate the last 2 s
-    assert later.concurrency == pytest.approx((0.1 * sum(range(1, 8)) + 8 * 0.8) / 2)  # over the last 2 s: none, then 1..8
+    assert later.concurrency == pytest.approx((0.1 * sum(range(1, 8)) + 8 * 0.8) / 1.5)  # from the first document on: 1..8
 
 
 def test_after_a_shift_the_window_starts_at_it_until_the_old_phase_has_left():
@@ -168,10 +168,43 @@ def test_after_a_shift_the_window_starts_at_it_until_the_old_phase_has_left():
     assert window.summary(114.0).prompt == Lengths(1000, 1000)
 
 
+def test_a_wave_after_a_pause_is_measured_from_its_arrival_not_with_the_pause():
+    """32 requests in flight until 8 s ago, then nothing, then 128 at once: over the window's 10 s that reads as 16 in flight
+    (the four-GPU run's phases began after ~20 s pauses: the planner moved a look or two late, and once through whole requests
+    on its way from 3P1D to 1P3D). A change of load by SHIFT is a new phase, measured from its first arrival."""
+    window = TrafficWindow(10.0, 2.0)
+    for _ in range(32):
+        window.started(80.0, 1000, 512)
+    for _ in range(32):
+        window.ended(92.0, 1000, 512, 1000, 512)
+    for _ in range(128):
+        window.started(100.0, 1000, 512)
+    traffic = window.summary(101.0)
+    assert (traffic.requests, traffic.concurrency) == (128, pytest.approx(128.0))
+
+
+def test_a_change_of_load_is_a_shift_only_above_the_floor_and_by_shift_times():
+    """The same lengths at 64, then 128 in flight: a new phase (measured from then); at 1 then 3 in flight, or 64 then 100,
+    one traffic over the whole window."""
+    def window_of(before: int, after: int) -> TrafficWindow:
+        window = TrafficWindow(10.0, 2.0)
+        for _ in range(before):
+            window.started(100.0, 1000, 512)
+        for _ in range(after - before):
+            window.started(108.5, 1000, 512)
+        return window
+
+    assert window_of(64, 128).summary(110.5).concurrency == pytest.approx(128.0)  # a period after the change
+    assert window_of(1, 3).summary(110.5).concurrency == pytest.approx((1 * 8 + 3 * 2) / 10)
+    assert window_of(64, 100).summary(110.5).concurrency == pytest.approx((64 * 8 + 100 * 2) / 10)
+
+
 def test_a_steady_mix_of_lengths_is_no_shift():
     window = TrafficWindow(10.0, 2.0)
-    for i in range(100):
+    for i in range(100):  # each in flight for 1 s: a steady 10
         window.started(100.0 + i * 0.1, 1000 if i % 2 else 16000, 256)
+        if i >= 10:
+            window.ended(100.0 + i * 0.1, 1000, 256, None, None)
     traffic = window.summary(110.0)
     assert traffic.requests == 100 and traffic.prompt == Lengths(1000, 16000)
 

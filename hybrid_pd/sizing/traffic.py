@@ -18,6 +18,15 @@ arrivals outnumber the old ones in the older part of the window, no shift shows,
 sizes for the mix again (simulated, chat -> documents -> chat on four H100s flipped to 3P1D and
 back within 4 s of the second chat phase).
 
+The load shifts too: a mean of requests in flight over the last ``recent_s`` :data:`SHIFT` times the
+older part's, or a share of it, is a new phase as well (above :data:`LOAD_FLOOR`), measured from its
+first arrival or end after the period's start. Over a whole window, a wave after a pause reads as a
+fraction of itself (the four-GPU run's phases began after ~20 s pauses: 128 chat requests in flight
+read as 64-80 a period in, as the planner's prediction then says, and it went from 3P1D through whole
+requests to 1P3D), and a load that
+halves reads high for a window (simulated, chat at 128 then 32 in flight: 1P3D kept 7 s into the
+lighter phase).
+
 Each arrival keeps the SLO pair its request asked for (the router's when it named none), and the
 summary sizes for the pair most asked (:func:`~hybrid_pd.sizing.planner.traffic_of`); another pair
 most asked in the last ``recent_s`` is a shift too (the same chat, now with a looser target).
@@ -42,12 +51,15 @@ from dataclasses import dataclass, field
 from hybrid_pd.sizing.planner import Traffic, most_asked, traffic_of
 from hybrid_pd.sizing.workload import SLO
 
-__all__ = ["SHIFT", "TrafficWindow", "WindowView"]
+__all__ = ["LOAD_FLOOR", "SHIFT", "TrafficWindow", "WindowView"]
 
 # Weight of one request's counted/estimated ratio in the moving average: about the last 20 count.
 _RATIO_WEIGHT = 0.05
-# A median length this many times the older arrivals' (or a share of it) is a new phase of the traffic.
+# A median length, or mean requests in flight, this many times the older part's (or a share of it) is a new phase of the traffic.
 SHIFT = 2.0
+# Loads below this many requests in flight never make a shift: over a period their mean is mostly noise (a closed loop of 4
+# reads 2-6 as requests end and the next arrive), and flexible workers serve them alike in any layout.
+LOAD_FLOOR = 4.0
 
 
 @dataclass(frozen=True)
@@ -139,8 +151,10 @@ class TrafficWindow:
         # A router whose traffic began inside the window has seen only part of it: over the whole window, 128 requests in
         # flight for 2 s would read as 25 (the GPU run: the planner moved only once the window had filled).
         start = max(since, self._changes[0][0], self._phase_start)
-        if self._shifted(now - self.recent_s, start) and now - self.recent_s > start:
-            start = self._phase_start = now - self.recent_s
+        boundary = now - self.recent_s
+        if boundary > start and self._shifted(boundary, start, now):
+            # The new phase from its first arrival or end: a wave after a pause is not measured with the pause.
+            start = self._phase_start = next((when for when, _ in self._changes if when >= boundary), boundary)
         if now <= start:
             return None
         arrived = [(self.prompt_tokens(p), round(o * self.output_ratio), slo) for when, p, o, slo in self._arrived if when >= start]
@@ -153,9 +167,13 @@ class TrafficWindow:
         while len(self._changes) > 1 and self._changes[1][0] <= since:
             self._changes.popleft()
 
-    def _shifted(self, boundary: float, start: float) -> bool:
-        """Whether the arrivals after ``boundary`` differ from those between ``start`` and it by :data:`SHIFT` in median prompt or
-        output, or in the SLO pair most asked."""
+    def _shifted(self, boundary: float, start: float, now: float) -> bool:
+        """Whether the traffic after ``boundary`` differs from that between ``start`` and it by :data:`SHIFT` in mean requests
+        in flight (where either reaches :data:`LOAD_FLOOR`; a pause before is none), in median prompt or output of the
+        arrivals, or in the SLO pair most asked."""
+        older_load, newer_load = self._mean_inflight(start, boundary), self._mean_inflight(boundary, now)
+        if max(older_load, newer_load) >= LOAD_FLOOR and not older_load / SHIFT < newer_load < older_load * SHIFT:
+            return True
         older = [(p, o, slo) for when, p, o, slo in self._arrived if start <= when < boundary]
         newer = [(p, o, slo) for when, p, o, slo in self._arrived if when >= boundary]
         if not older or not newer:
