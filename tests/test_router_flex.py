@@ -157,10 +157,10 @@ async def test_a_worker_counts_a_prompt_when_none_was_lately_so_the_planner_size
         deadline = time.perf_counter() + 10
         while state.planner.traffic.prompt_ratio == 1.0 and time.perf_counter() < deadline:
             await asyncio.sleep(0.01)
-        corrected = state.planner.traffic.prompt_tokens(1000)
+        corrected, shown = state.planner.traffic.prompt_tokens(1000), (await client.get("/planner")).json()
     assert [r.status_code for r in answers] == [200] * 3 and answers[1].json()["usage"] is None
     assert workers.tokenized == [{"model": "m", "prompt": "x" * 4000}]
-    assert corrected == 2000
+    assert corrected == 2000 and shown["prompt_tokens_per_estimate"] == 2.0
 
 
 def _four_flex_planner(tmp_path: Path, workers: object, **settings: object) -> tuple[object, list[str]]:

@@ -187,6 +187,7 @@ class Planner:
             "layout": layout_of(self.pairing.roles, workers).name,
             "roles": {w: self.pairing.roles.get(w, "whole") for w in workers},
             "split_prompts": bounds_json(self.pairing.split_prompts),
+            "prompt_tokens_per_estimate": round(self.traffic.prompt_ratio, 3),  # how the workers count the text (4 bytes a token: 1)
             "moves": self.moves,
         }
         if self.decision is not None:
