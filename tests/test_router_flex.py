@@ -34,8 +34,10 @@ class FlexWorkers:
         self.tokens_per_estimate = tokens_per_estimate
         self.usage = usage
 
-    def count(self, prompt: str) -> int:
-        return max(1, round(len(prompt.encode()) // 4 * self.tokens_per_estimate))
+    def count(self, prompt: object) -> int:
+        if isinstance(prompt, list):  # token ids: as many as there are
+            return len(prompt)
+        return max(1, round(len(str(prompt).encode()) // 4 * self.tokens_per_estimate))
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         if request.method == "GET":
@@ -47,7 +49,7 @@ class FlexWorkers:
             self.tokenized.append(body)
             return httpx.Response(200, json={"count": self.count(body["prompt"]), "max_model_len": 4096, "tokens": []})
         self.calls.append((request.url.host, body))
-        prompt = self.count(str(body.get("prompt", "")))
+        prompt = self.count(body.get("prompt", ""))
         if (body.get("kv_transfer_params") or {}).get("do_remote_decode"):
             usage = {"prompt_tokens": prompt, "completion_tokens": 1, "total_tokens": prompt + 1}
             return httpx.Response(200, json={"choices": [{"index": 0, "text": "P"}], "usage": usage, "kv_transfer_params": KV})
@@ -139,6 +141,19 @@ async def test_the_split_bounds_are_in_the_tokens_the_workers_count_not_the_rout
         metrics = (await client.get("/metrics")).text
     assert r.status_code == 200 and [host for host, _ in workers.calls] == ["flex-b.test", "flex-a.test"]  # B prefilled, A decoded
     assert _counter(metrics, "hybrid_pd_disaggregated_total", "planner") == 1
+
+
+async def test_a_prompt_of_token_ids_is_bounded_by_its_length_not_the_texts_ratio():
+    """Text counting 2 tokens per estimated one sets the ratio; a prompt of 2000 token ids is 2000 tokens, inside roles sized
+    for 1500-3000, and is split (scaled like text, 4000: served whole)."""
+    workers = FlexWorkers(tokens_per_estimate=2.0)
+    async with _router(workers) as (client, state):
+        await client.post("/v1/completions", json={"model": "m", "prompt": "y" * 4000, "max_tokens": 3})  # the ratio: 2
+        state.planner.apply({FLEX_A: "decode", FLEX_B: "prefill"}, "test", Lengths(1500, 3000))
+        workers.calls.clear()
+        r = await client.post("/v1/completions", json={"model": "m", "prompt": list(range(2000)), "max_tokens": 3})
+    assert state.planner.traffic.prompt_ratio == 2.0
+    assert r.status_code == 200 and [host for host, _ in workers.calls] == ["flex-b.test", "flex-a.test"]  # B prefilled, A decoded
 
 
 async def test_a_worker_counts_a_prompt_when_none_was_lately_so_the_planner_sizes_right_before_any_answer(tmp_path):

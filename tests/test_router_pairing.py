@@ -22,7 +22,7 @@ def _registry(*workers: tuple[str, str], **identity: object) -> Registry:
 
 
 def _pairing(registry: Registry, below_tokens: int = 0, limit: int = 2) -> Pairing:
-    return Pairing(registry, LeastOutstanding(), LeastOutstanding(), below_tokens, limit, prompt_tokens=int)
+    return Pairing(registry, LeastOutstanding(), LeastOutstanding(), below_tokens, limit, prompt_tokens=lambda tokens, exact: tokens)
 
 
 def test_the_decode_worker_is_an_available_untried_one_under_its_limit():

@@ -199,6 +199,20 @@ def test_a_change_of_load_is_a_shift_only_above_the_floor_and_by_shift_times():
     assert window_of(64, 100).summary(110.5).concurrency == pytest.approx((64 * 8 + 100 * 2) / 10)
 
 
+def test_token_id_prompts_are_counted_already_and_teach_the_text_ratio_nothing():
+    """Text counted at 2 tokens per estimated one, token ids at their length: a mix sizes each as it counts, and an id
+    prompt's usage (its length, +1 for a BOS) leaves the text's ratio as it was."""
+    window = TrafficWindow(10.0, 2.0)
+    window.started(100.0, 500, 64)
+    window.ended(100.5, 500, 64, 1000, 64)  # text: 2 per estimated token
+    for i in range(10):
+        window.started(101.0 + i * 0.01, 1000, 64, exact=True)
+        window.ended(101.5 + i * 0.01, 1000, 64, 1001, 64, exact=True)
+    window.started(102.0, 500, 64)
+    assert window.prompt_ratio == 2.0 and window.prompt_tokens(1000, exact=True) == 1000
+    assert window.summary(102.5).prompt == Lengths(1000, 1000)  # every arrival, text or ids, is 1000 tokens
+
+
 def test_a_steady_mix_of_lengths_is_no_shift():
     window = TrafficWindow(10.0, 2.0)
     for i in range(100):  # each in flight for 1 s: a steady 10

@@ -289,8 +289,9 @@ async def _generate(
         raise OpenAIError(429, f"the router is at its concurrency limit ({state.settings.max_concurrency})")
     state.inflight += 1
     # What the planner measures (hybrid_pd/sizing/traffic.py): the estimates now, the workers' counts when the answer is done.
-    traffic, estimate, asked = state.planner.traffic, RequestInfo.from_body(body).est_tokens, _max_tokens(body)
-    traffic.started(arrived, estimate, asked, slo)
+    traffic, info, asked = state.planner.traffic, RequestInfo.from_body(body), _max_tokens(body)
+    estimate, exact = info.est_tokens, info.exact
+    traffic.started(arrived, estimate, asked, slo, exact)
     if state.planner.looks:
         count_prompt(state, body, estimate, request_id, arrived)
     usage: dict[str, Any] = {}
@@ -317,7 +318,7 @@ async def _generate(
         state.metrics.finished(route, "ok" if failed is None else f"http_{status}", arrived)
     finally:
         state.inflight -= 1
-        traffic.ended(time.perf_counter(), estimate, asked, usage.get("prompt_tokens"), usage.get("completion_tokens"))
+        traffic.ended(time.perf_counter(), estimate, asked, usage.get("prompt_tokens"), usage.get("completion_tokens"), exact)
 
 
 def _max_tokens(body: dict[str, Any]) -> int:

@@ -58,9 +58,10 @@ class Pairing:
         prefill_policy: Policy,
         min_tokens: int,
         per_worker_limit: int,
-        prompt_tokens: Callable[[int], int],
+        prompt_tokens: Callable[[int, bool], int],
     ) -> None:
-        """``prompt_tokens``: the tokens a prompt estimated at so many from its text counts (``split_prompts``' unit)."""
+        """``prompt_tokens``: the tokens a prompt of so many, estimated from its text or exact (token ids), counts
+        (``split_prompts``' unit)."""
         self._registry = registry
         self._decode_policy = decode_policy
         self._prefill_policy = prefill_policy
@@ -101,7 +102,7 @@ class Pairing:
     def _split(self, request: RequestInfo) -> bool:
         """Whether the planner's roles split ``request``: its prompt within the lengths they were sized for."""
         bounds = self.split_prompts
-        return bounds is None or bounds.low <= self._prompt_tokens(request.est_tokens) <= bounds.high
+        return bounds is None or bounds.low <= self._prompt_tokens(request.est_tokens, request.exact) <= bounds.high
 
     def _under_limit(self, workers: Iterable[Worker]) -> list[Worker]:
         return [w for w in workers if w.inflight < self._limit]

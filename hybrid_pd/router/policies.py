@@ -42,6 +42,11 @@ class RequestInfo:
         self._prefix_chars = prefix_chars
         self._chain: list[int] | None = None
 
+    @property
+    def exact(self) -> bool:
+        """Whether ``est_tokens`` is counted, not estimated: the prompt is token ids."""
+        return not isinstance(self._prompt, str)
+
     @classmethod
     def from_body(cls, body: dict[str, Any], prefix_chars: int = 256) -> RequestInfo:
         """The OpenAI ``user`` field, else the prompt's first ``prefix_chars`` characters, is the key.

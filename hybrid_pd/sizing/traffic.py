@@ -78,7 +78,8 @@ class TrafficWindow:
     recent_s: float  # the part a shift is looked for in: the planner's period
     prompt_ratio: float = 1.0  # prompt tokens counted / estimated from the text
     output_ratio: float = 1.0  # completion tokens counted / max_tokens asked
-    _arrived: deque[tuple[float, int, int, SLO | None]] = field(default_factory=deque)  # (when, estimated prompt tokens, max_tokens, SLO)
+    # (when, prompt tokens as estimated from the text or, ``exact``, counted (token ids), max_tokens, SLO)
+    _arrived: deque[tuple[float, int, int, SLO | None, bool]] = field(default_factory=deque)
     _changes: deque[tuple[float, int]] = field(default_factory=deque)  # (when, requests in flight from then on)
     _inflight: int = 0
     _prompt_counted_at: float = -math.inf  # when a prompt's tokens were last counted (an answer's usage, or a sample's count)
@@ -86,18 +87,22 @@ class TrafficWindow:
     _outputs_counted: bool = False  # an answer's usage has set the output ratio
     _phase_start: float = -math.inf  # where the last shift was seen: what came before is another phase
 
-    def started(self, now: float, prompt_estimate: int, max_tokens: int, slo: SLO | None = None) -> None:
-        """A request arrived, asking for ``slo`` (None: no pair of its own)."""
+    def started(self, now: float, prompt_estimate: int, max_tokens: int, slo: SLO | None = None, exact: bool = False) -> None:
+        """A request arrived, asking for ``slo`` (None: no pair of its own); ``exact``: its prompt is token ids, counted."""
         self._inflight += 1
         self._changes.append((now, self._inflight))
-        self._arrived.append((now, max(1, prompt_estimate), max(1, max_tokens), slo))
+        self._arrived.append((now, max(1, prompt_estimate), max(1, max_tokens), slo, exact))
 
-    def ended(self, now: float, prompt_estimate: int, max_tokens: int, prompt_tokens: int | None, completion_tokens: int | None) -> None:
-        """A request left; its usage, when it told the tokens (a failed or refused one tells nothing), corrects the estimates."""
+    def ended(
+        self, now: float, prompt_estimate: int, max_tokens: int, prompt_tokens: int | None, completion_tokens: int | None, exact: bool = False
+    ) -> None:
+        """A request left; its usage, when it told the tokens (a failed or refused one tells nothing), corrects the estimates
+        (a prompt of token ids only the outputs': its own length was exact, and says nothing of how the text counts)."""
         self._inflight -= 1
         self._changes.append((now, self._inflight))
         if prompt_tokens and completion_tokens:
-            self.prompt_counted(now, prompt_estimate, prompt_tokens)
+            if not exact:
+                self.prompt_counted(now, prompt_estimate, prompt_tokens)
             weight = _RATIO_WEIGHT if self._outputs_counted else 1.0
             self.output_ratio += weight * (completion_tokens / max(1, max_tokens) - self.output_ratio)
             self._outputs_counted = True
@@ -119,22 +124,24 @@ class TrafficWindow:
         self._sample_asked_at = now
         return True
 
-    def prompt_tokens(self, estimate: int) -> int:
-        """The tokens a prompt estimated at ``estimate`` from its text counts, by the answers so far: the unit the planner
-        sizes in, so also that of its ``split_prompts``, which the router compares each request's estimate with."""
-        return round(estimate * self.prompt_ratio)
+    def prompt_tokens(self, estimate: int, exact: bool = False) -> int:
+        """The tokens a prompt estimated at ``estimate`` from its text counts, by the counts so far (``exact``: token ids,
+        already counted): the unit the planner sizes in, so also that of its ``split_prompts``, which the router compares
+        each request's estimate with."""
+        return estimate if exact else round(estimate * self.prompt_ratio)
 
     def view(self, now: float) -> WindowView:
         """The window as a peer merges it (:meth:`merged`)."""
         self._forget(now - self.seconds)
-        arrived = tuple((now - when, self.prompt_tokens(p), round(o * self.output_ratio), slo) for when, p, o, slo in self._arrived)
+        arrived = tuple((now - when, self.prompt_tokens(p, exact), round(o * self.output_ratio), slo) for when, p, o, slo, exact in self._arrived)
         return WindowView(arrived, tuple((now - when, inflight) for when, inflight in self._changes))
 
     @classmethod
     def merged(cls, views: list[WindowView], seconds: float, recent_s: float, now: float) -> TrafficWindow:
         """One window of several routers' views at ``now``: every arrival, and the requests in flight of all of them summed."""
         window = cls(seconds, recent_s)
-        window._arrived.extend(sorted(((now - age, p, o, slo) for view in views for age, p, o, slo in view.arrived), key=lambda a: a[0]))
+        # Already corrected by each router: counted tokens, as exact as token ids.
+        window._arrived.extend(sorted(((now - age, p, o, slo, True) for view in views for age, p, o, slo in view.arrived), key=lambda a: a[0]))
         levels = [0] * len(views)
         for age, i, inflight in sorted(((age, i, n) for i, view in enumerate(views) for age, n in view.inflight), key=lambda c: -c[0]):
             levels[i] = inflight
@@ -157,7 +164,7 @@ class TrafficWindow:
             start = self._phase_start = next((when for when, _ in self._changes if when >= boundary), boundary)
         if now <= start:
             return None
-        arrived = [(self.prompt_tokens(p), round(o * self.output_ratio), slo) for when, p, o, slo in self._arrived if when >= start]
+        arrived = [(self.prompt_tokens(p, exact), round(o * self.output_ratio), slo) for when, p, o, slo, exact in self._arrived if when >= start]
         return traffic_of(arrived, self._mean_inflight(start, now), now - start)
 
     def _forget(self, since: float) -> None:
@@ -174,8 +181,8 @@ class TrafficWindow:
         older_load, newer_load = self._mean_inflight(start, boundary), self._mean_inflight(boundary, now)
         if max(older_load, newer_load) >= LOAD_FLOOR and not older_load / SHIFT < newer_load < older_load * SHIFT:
             return True
-        older = [(p, o, slo) for when, p, o, slo in self._arrived if start <= when < boundary]
-        newer = [(p, o, slo) for when, p, o, slo in self._arrived if when >= boundary]
+        older = [(self.prompt_tokens(p, exact), o, slo) for when, p, o, slo, exact in self._arrived if start <= when < boundary]
+        newer = [(self.prompt_tokens(p, exact), o, slo) for when, p, o, slo, exact in self._arrived if when >= boundary]
         if not older or not newer:
             return False
         if most_asked(slo for _, _, slo in newer) != most_asked(slo for _, _, slo in older):
