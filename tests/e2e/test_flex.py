@@ -20,6 +20,8 @@ import re
 import tarfile
 import threading
 import uuid
+from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -138,19 +140,35 @@ class _Leader:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
 
+@contextlib.contextmanager
+def _follower(urls: dict[str, str], leader: _Leader, log: Path) -> Iterator[str]:
+    """A router over the two flex workers that follows ``leader``'s roles (a look every 0.2 s), up and routing to both; its
+    URL. Stopped, and the leader with it, on the way out."""
+    port = free_port()
+    argv = cli("router", "--port", str(port), "--flex", urls["flex0"], "--flex", urls["flex1"], "--planner-peer", leader.url,
+               "--planner-interval-s", "0.2")  # fmt: skip
+    proc = spawn(argv, log=log)
+    router = f"http://127.0.0.1:{port}"
+    try:
+        assert wait_http_ok(router + "/health", lambda: proc.poll() is None, 60)
+        assert wait_routed(router, {urls["flex0"], urls["flex1"]}, 60, lambda: proc.poll() is None)
+        yield router
+    finally:
+        stop_group(proc)
+        leader.server.shutdown()
+
+
+def _planner_splits(metrics: str) -> float:
+    return float(re.search(r'^hybrid_pd_disaggregated_total{reason="planner"} (\S+)$', metrics, re.M).group(1))
+
+
 def test_roles_moved_under_load_lose_no_request_and_answer_like_colocated(bench_dir, colocated, tmp_path):
     """Three clients send requests through a router over the two flex workers while the roles it follows move: whole ->
     flex0 prefills for flex1 -> flex1 prefills for flex0 -> whole. Every answer is 200 and, token for token, the colocated
     server's; both workers pulled state and both served requests whole."""
     _, urls = bench_dir
-    leader, port = _Leader(), free_port()
-    argv = cli("router", "--port", str(port), "--flex", urls["flex0"], "--flex", urls["flex1"], "--planner-peer", leader.url,
-               "--planner-interval-s", "0.2")  # fmt: skip
-    proc = spawn(argv, log=tmp_path / "router.log")
-    router = f"http://127.0.0.1:{port}"
-    try:
-        assert wait_http_ok(router + "/health", lambda: proc.poll() is None, 60)
-        assert wait_routed(router, {urls["flex0"], urls["flex1"]}, 60, lambda: proc.poll() is None)
+    leader = _Leader()
+    with _follower(urls, leader, tmp_path / "router.log") as router:
         model = colocated.get("/v1/models").json()["data"][0]["id"]
         prompts = [PROMPTS["short"], PROMPTS["one_block_plus_one"], PROMPTS["text"]]
         expected = [_greedy(str(colocated.base_url).rstrip("/"), p, model)[0] for p in prompts]
@@ -185,12 +203,9 @@ def test_roles_moved_under_load_lose_no_request_and_answer_like_colocated(bench_
             for t in threads:
                 t.join(timeout=180)
         metrics = httpx.get(router + "/metrics").text
-    finally:
-        stop_group(proc)
-        leader.server.shutdown()
     assert answers and all(equal for _, equal in answers), [a for a in answers if not a[1]]
-    counted = lambda name, reason: float(re.search(rf'^{name}{{reason="{reason}"}} (\S+)$', metrics, re.M).group(1))  # noqa: E731
-    assert counted("hybrid_pd_disaggregated_total", "planner") > 0 and counted("hybrid_pd_fallbacks_total", "replica") > 0
+    replica = float(re.search(r'^hybrid_pd_fallbacks_total{reason="replica"} (\S+)$', metrics, re.M).group(1))
+    assert _planner_splits(metrics) > 0 and replica > 0
     assert all(settled(lambda c=c: metric(c, XFERS)) > before for c, before in zip(flex, pulled, strict=True)), "each worker pulled"
 
 
@@ -205,15 +220,9 @@ def test_a_text_prompt_inside_the_split_bounds_is_split_though_its_estimate_is_n
     counted = colocated.post("/v1/completions", json={"model": model, "prompt": text, "max_tokens": 1}).json()["usage"]["prompt_tokens"]
     assert counted > 1.5 * len(text.encode()) // 4  # the premise: count and estimate part
     expected = _greedy(str(colocated.base_url).rstrip("/"), text, model)[0]
-    leader, port = _Leader(), free_port()
+    leader = _Leader()
     leader.roles, leader.split_prompts = {urls["flex0"]: "prefill", urls["flex1"]: "decode"}, [int(counted * 0.8), int(counted * 1.25)]
-    argv = cli("router", "--port", str(port), "--flex", urls["flex0"], "--flex", urls["flex1"], "--planner-peer", leader.url,
-               "--planner-interval-s", "0.2")  # fmt: skip
-    proc = spawn(argv, log=tmp_path / "router.log")
-    router = f"http://127.0.0.1:{port}"
-    try:
-        assert wait_http_ok(router + "/health", lambda: proc.poll() is None, 60)
-        assert wait_routed(router, {urls["flex0"], urls["flex1"]}, 60, lambda: proc.poll() is None)
+    with _follower(urls, leader, tmp_path / "router.log") as router:
         assert wait_for(lambda: httpx.get(router + "/planner").json()["split_prompts"] == leader.split_prompts, 10)
         # A worker counts the first prompt (vLLM's /tokenize) while its answer streams. The client leaves the stream long
         # before its 1500 tokens are done: no usage ever comes of it, so a corrected ratio is the count's.
@@ -225,8 +234,5 @@ def test_a_text_prompt_inside_the_split_bounds_is_split_though_its_estimate_is_n
         assert ratio() == pytest.approx(counted / (len(text.encode()) // 4), rel=0.02)
         tokens = [_greedy(router, text)[0] for _ in range(4)]
         metrics = httpx.get(router + "/metrics").text
-    finally:
-        stop_group(proc)
-        leader.server.shutdown()
     assert tokens == [expected] * 4
-    assert float(re.search(r'^hybrid_pd_disaggregated_total{reason="planner"} (\S+)$', metrics, re.M).group(1)) >= 4
+    assert _planner_splits(metrics) >= 4
