@@ -107,6 +107,8 @@ wait)
   exit 0
   ;;
 pack)
+  # the servers' start (vLLM's config lines: what a colocated server and a flexible worker run differently), which the logs' tails lose
+  for f in $DIR/logs/colocated0.log $DIR/logs/flex0.log; do [ -f $f ] && head -c 300000 $f > ${f%.log}-start.txt; done
   "${RUNNER[@]}" report "${SERVERS[@]}" --systems $PHASE_SYSTEMS --phases $PHASES > $DIR/report.txt 2>&1
   cat $DIR/report.txt
   "${RUNNER[@]}" pack "${SERVERS[@]}" --systems $PHASE_SYSTEMS --to "${OUT:?set OUT (the device call sets it)}/results.tar.gz"
