@@ -34,10 +34,10 @@ routers that take SLOs get (else the first ``--slo``). ``--points`` runs each po
 ``--workloads`` at every one of ``--levels``); at each, the systems run one after another on the
 same prompts through ``vllm bench serve``'s own code (imported once: ``vllm.benchmarks.serve``),
 ``--ignore-eos``, lengths fixed or spread by ``--random-range-ratio``; each system behind a router
-of its own, started for that point (no router state carries from one traffic to the next); the
-systems whose router learns from the traffic (``planner``, ``adaptive``) first get
-``--settle-prompts-per-in-flight`` times the requests in flight of other prompts of the same
-traffic through that router, unmeasured (their summary is kept beside the run's).
+of its own, started for that point (no router state carries from one traffic to the next); each
+system first gets ``--settle-prompts-per-in-flight`` times the requests in flight of other prompts
+of the same traffic through that router, unmeasured (their summary is kept beside the run's): the
+planner settles on the traffic, and every system is measured on servers that have just served it.
 ``--phases`` is phase-shifting traffic: the points in turn, back to back, against one router per
 system (a router that takes SLOs has the first phase's pair as its own; every request asks for its
 phase's in the ``x-slo-ttft-ms``/``x-slo-tpot-ms`` headers, which the planner sizes for), and the goodput of each phase and
@@ -88,7 +88,6 @@ NAME = "hybrid-gpu"
 SLO_FLAGS = ("--slo-ttft-ms", "--slo-tpot-ms")
 DECISIONS = ("hybrid_pd_fallbacks_total", "hybrid_pd_disaggregated_total")  # the router's choices during a run
 PLANNER_PREFIX = "hybrid_pd_planner"  # the planner's metric lines, kept after each planner run
-LEARNING = ("planner", "adaptive")  # systems whose router acts on what it measured of the traffic: they may settle first (--settle-prompts-per-in-flight)
 
 
 def servers(gpus: int) -> dict[str, tuple[str, int]]:
@@ -240,6 +239,32 @@ def _requests(result: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def waves(result: dict[str, Any], target: tuple[float, float]) -> list[dict[str, Any]]:
+    """A closed loop's requests in the order they started, in waves of the requests in flight: each wave's share within
+    ``target``, TTFT and TPOT p50 (ms).
+
+    A run of fixed lengths moves in waves: its first arrives at once, and a wave that ends together sends the next at
+    once. What a run's goodput is made of: on four H100s the planner's chat phase lost its second wave (7% within the
+    SLO, TTFT p50 1.4 s), which arrived at once at the one prefiller it had just chosen, where a fixed 1P3D lost only its first.
+    """
+    size = result.get("max_concurrency") or len(result["ttfts"])
+    order = sorted(range(len(result["ttfts"])), key=lambda i: result["start_times"][i])
+    out = []
+    for start in range(0, len(order), size):
+        wave = {"ttfts": [], "itls": [], "output_lens": [], "errors": []}
+        for i in order[start : start + size]:
+            for key in wave:
+                wave[key].append(result[key][i])
+        if result.get("latencies"):
+            wave["latencies"] = [result["latencies"][i] for i in order[start : start + size]]
+        requests = _requests(wave)
+        n = len(wave["ttfts"])
+        out.append({"requests": n, "within_slo": _good(requests, target) / n,
+                    "ttft_p50_ms": percentile(requests["ttft"], 50) if requests["ttft"] else None,
+                    "tpot_p50_ms": percentile(requests["tpot"], 50) if requests["tpot"] else None})  # fmt: skip
+    return out
+
+
 def _good(requests: dict[str, Any], slo: tuple[float, float]) -> int:
     return sum(1 for a, b in zip(requests["ttft"], requests["tpot"], strict=True) if a <= slo[0] and b <= slo[1])
 
@@ -380,6 +405,26 @@ def phase_table(runs: list[dict[str, Any]], baseline: str = "replicas") -> str:
             cells.append(_split_share(part.get("router_decisions")))
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def wave_table(phase_runs: list[dict[str, Any]]) -> str:
+    """Each phase of each system wave by wave (:func:`waves`): within the SLO, TTFT p50 / TPOT p50 ms."""
+    lines = ["| phase | system | waves: within SLO, TTFT p50 / TPOT p50 ms |", "|---|---|---|"]
+    for run in phase_runs:
+        for phase in run.get("phases", []):
+            if "waves" in phase:
+                cells = [f"{w['within_slo']:.0%} {_ms(w['ttft_p50_ms'])}/{_ms(w['tpot_p50_ms'])}" for w in phase["waves"]]
+                lines.append(f"| {phase['phase'] + 1} | {run['system']} | {' · '.join(cells)} |")
+    return "\n".join(lines)
+
+
+def attach_waves(out: Path, phase_runs: list[dict[str, Any]]) -> None:
+    """Add :func:`waves` to each phase whose vLLM result is in ``out/phases`` (a run's own folder: packed results keep none)."""
+    for run in phase_runs:
+        for phase in run.get("phases", []):
+            path = out / "phases" / f"{run['system']}-p{phase['phase']}.json"
+            if path.exists():
+                phase["waves"] = waves(json.loads(path.read_text()), _slo(phase["slo"]))
 
 
 # --- servers -----------------------------------------------------------------------------------------
@@ -579,9 +624,15 @@ def _warm_up(state: dict[str, Any], systems: list[str], first: Point, args: argp
     marker.write_text(state.get("id", ""))
 
 
-def settle_prompts(name: str, point: Point, args: argparse.Namespace) -> int:
-    """Prompts of the same traffic sent through a learning system's router before its measured run (none for the others)."""
-    return point.level * args.settle_prompts_per_in_flight if name in LEARNING else 0
+def settle_prompts(point: Point, args: argparse.Namespace) -> int:
+    """Prompts of the same traffic sent through every system's router before its measured run, unmeasured.
+
+    The planner needs them to settle on the traffic; every system gets them so that each is measured on servers
+    that have just served it. Given to the planner alone (until 2026-11-27), they were also its servers' warm-up:
+    at 1000/512 @ 64 on four H100s the replicas' first wave of 64 reached its first token at 522 ms p50 (23% within
+    500/20), their second at 401 ms (100%), and the planner's, after its settle round, at 399 and 406 ms.
+    """
+    return point.level * args.settle_prompts_per_in_flight
 
 
 def matrix_points(args: argparse.Namespace) -> list[Point]:
@@ -619,7 +670,7 @@ def run(args: argparse.Namespace) -> int:
             try:
                 timeline = args.out / "timeline" / stem if args.router_timeline else None
                 with router(name, state["urls"], target, args, args.out / "logs" / f"router-{stem}.log", timeline) as url:
-                    if settle := settle_prompts(name, point, args):  # other prompts of the same traffic, not measured but kept
+                    if settle := settle_prompts(point, args):  # other prompts of the same traffic, not measured but kept
                         row["settle"] = {"prompts": settle}
                         result = vllm_bench(url, point, settle, seed=10_000 + point.level, out=args.out / "runs" / f"{stem}.settle.json", args=args)
                         if name == "planner":
@@ -701,6 +752,7 @@ def report(args: argparse.Namespace) -> int:
     else:
         rows = [json.loads(p.read_text()) for p in sorted((args.out / "runs").glob("*.row.json"))]
         phase_runs = [json.loads(p.read_text()) for p in sorted((args.out / "phases").glob("*.row.json"))]
+        attach_waves(args.out, phase_runs)
     slos = [slo_label(slo) for slo in args.slo]
     rows.sort(key=lambda r: (Workload.parse(r["workload"]).input_len, Workload.parse(r["workload"]).output_len, r["level"], r.get("slo", slos[0]),
                              _system_order(r["system"])))  # fmt: skip
@@ -718,6 +770,8 @@ def report(args: argparse.Namespace) -> int:
         print("\n" + span_table(rows), flush=True)
     if phase_runs:
         print("\n" + phase_table(phase_runs), flush=True)
+    if any("waves" in phase for run in phase_runs for phase in run.get("phases", [])):
+        print("\n" + wave_table(phase_runs), flush=True)
     for what in [*rows, *phase_runs]:
         if "error" in what:
             print(f"failed: {what['system']} {what.get('workload', 'phases')} {what.get('level', '')}: {what['error']}", flush=True)
@@ -873,8 +927,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--to", type=Path, help="pack: the tar.gz to write")
     ap.add_argument("--log-tail-mib", type=float, default=2.0, help="pack: the last MiB of each log")
     ap.add_argument("--prompts-per-in-flight", type=int, default=3)
-    ap.add_argument("--settle-prompts-per-in-flight", type=int, default=0, help="planner and adaptive: this many prompts per request in "
-                    "flight of the same traffic through the same router before each point's measured run (not with --phases)")  # fmt: skip
+    ap.add_argument("--settle-prompts-per-in-flight", type=int, default=0, help="every system: this many prompts per request in flight "
+                    "of the same traffic through the same router before each point's measured run, unmeasured (not with --phases)")  # fmt: skip
     ap.add_argument("--min-prompts", type=int, default=4)
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--max-model-len", type=int, default=4096)
