@@ -199,6 +199,23 @@ def test_a_change_of_load_is_a_shift_only_above_the_floor_and_by_shift_times():
     assert window_of(64, 100).summary(110.5).concurrency == pytest.approx((64 * 8 + 100 * 2) / 10)
 
 
+def test_a_period_that_saw_a_waves_first_arrivals_does_not_make_the_rest_of_that_wave_a_new_phase():
+    """The four-H100 rerun's documents: 32 arrived over 0.19 s after a pause, a look came 0.05 s into them; the next look
+    saw the wave's tail as the load doubled against its first 0.05 s and restarted the window at its last 3 arrivals,
+    too few to size, and the planner stayed on the chat's 1P3D for 6.5 s (until the next wave) instead of 2."""
+    window = TrafficWindow(10.0, 2.0)
+    for i in range(128):  # chat, ended 25 s before
+        window.started(70.0 + i * 0.001, 480, 512)
+        window.ended(75.0 + i * 0.001, 480, 512, 1000, 512)
+    for i in range(32):
+        window.started(100.0 + i * 0.006, 7700, 256)
+        if i == 8:
+            early = window.summary(100.05)  # a look among the first arrivals: the wave from its first arrival
+            assert early is not None and early.requests == 9
+    traffic = window.summary(102.05)
+    assert traffic.requests == 32 and traffic.concurrency == pytest.approx(32.0, rel=0.05)  # less the wave's 0.19 s of arrivals
+
+
 def test_token_id_prompts_are_counted_already_and_teach_the_text_ratio_nothing():
     """Text counted at 2 tokens per estimated one, token ids at their length: a mix sizes each as it counts, and an id
     prompt's usage (its length, +1 for a BOS) leaves the text's ratio as it was."""

@@ -20,7 +20,8 @@ back within 4 s of the second chat phase).
 
 The load shifts too: a mean of requests in flight over the last ``recent_s`` :data:`SHIFT` times the
 older part's, or a share of it, is a new phase as well (above :data:`LOAD_FLOOR`), measured from its
-first arrival or end after the period's start. Over a whole window, a wave after a pause reads as a
+first arrival or end after the period's start, and a pause (nothing in flight for a period) ends a phase: the window starts
+again at the first arrival after it. Over a whole window, a wave after a pause reads as a
 fraction of itself (the four-GPU run's phases began after ~20 s pauses: 128 chat requests in flight
 read as 64-80 a period in, as the planner's prediction then says, and it went from 3P1D through whole
 requests to 1P3D), and a load that
@@ -157,7 +158,7 @@ class TrafficWindow:
             return None
         # A router whose traffic began inside the window has seen only part of it: over the whole window, 128 requests in
         # flight for 2 s would read as 25 (the GPU run: the planner moved only once the window had filled).
-        start = max(since, self._changes[0][0], self._phase_start)
+        start = max(since, self._changes[0][0], self._phase_start, self._after_pause())
         boundary = now - self.recent_s
         if boundary > start and self._shifted(boundary, start, now):
             # The new phase from its first arrival or end: a wave after a pause is not measured with the pause.
@@ -166,6 +167,18 @@ class TrafficWindow:
             return None
         arrived = [(self.prompt_tokens(p, exact), round(o * self.output_ratio), slo) for when, p, o, slo, exact in self._arrived if when >= start]
         return traffic_of(arrived, self._mean_inflight(start, now), now - start)
+
+    def _after_pause(self) -> float:
+        """The first arrival after the window's last pause (nothing in flight for a period or more); -inf without one.
+
+        What came before a pause is another phase: a wave after one, measured with it, reads as a fraction of itself.
+        """
+        after, idle_since = -math.inf, None
+        for when, inflight in self._changes:
+            if idle_since is not None and when - idle_since >= self.recent_s:
+                after = when
+            idle_since = when if inflight == 0 else None
+        return after
 
     def _forget(self, since: float) -> None:
         """Drop what happened before ``since``, but the requests in flight then (the change in force at ``since`` stays)."""
@@ -176,11 +189,15 @@ class TrafficWindow:
 
     def _shifted(self, boundary: float, start: float, now: float) -> bool:
         """Whether the traffic after ``boundary`` differs from that between ``start`` and it by :data:`SHIFT` in mean requests
-        in flight (where either reaches :data:`LOAD_FLOOR`; a pause before is none), in median prompt or output of the
-        arrivals, or in the SLO pair most asked."""
-        older_load, newer_load = self._mean_inflight(start, boundary), self._mean_inflight(boundary, now)
-        if max(older_load, newer_load) >= LOAD_FLOOR and not older_load / SHIFT < newer_load < older_load * SHIFT:
-            return True
+        in flight (where either reaches :data:`LOAD_FLOOR` and the older part is half a period or longer), in median prompt or
+        output of the arrivals, or in the SLO pair most asked."""
+        # A load is compared with half a period or more before it: against a wave's first instants the rest of the wave
+        # reads as a new load, and the window would restart at its last arrivals (on four H100s, at the last 3 of 32
+        # documents, too few to size: the planner moved 6.5 s into the documents instead of 2).
+        if boundary - start >= self.recent_s / 2:
+            older_load, newer_load = self._mean_inflight(start, boundary), self._mean_inflight(boundary, now)
+            if max(older_load, newer_load) >= LOAD_FLOOR and not older_load / SHIFT < newer_load < older_load * SHIFT:
+                return True
         older = [(self.prompt_tokens(p, exact), o, slo) for when, p, o, slo, exact in self._arrived if start <= when < boundary]
         newer = [(self.prompt_tokens(p, exact), o, slo) for when, p, o, slo, exact in self._arrived if when >= boundary]
         if not older or not newer:
