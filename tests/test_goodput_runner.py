@@ -30,6 +30,7 @@ from hybrid_pd.bench.gpu.goodput import (
     summarize_run,
     system,
     table,
+    attach_waves,
     wave_table,
     waves,
 )
@@ -52,7 +53,22 @@ def test_a_closed_loops_waves_are_its_requests_in_start_order_by_the_requests_in
     assert [w["within_slo"] for w in got] == [0.5, 0.0, 1.0]  # the 0.6 s TTFT; TPOT 30 ms, the failed one; 0.2 s and 10 ms
     assert (got[0]["ttft_p50_ms"], got[1]["tpot_p50_ms"], got[2]["ttft_p50_ms"]) == (pytest.approx(350.0), pytest.approx(30.0), pytest.approx(200.0))
     phase = {"phase": 0, "waves": got}
-    assert wave_table([{"system": "planner", "phases": [phase]}]).splitlines()[2] == "| 1 | planner | 50% 350.0/10.0 · 0% 100.0/30.0 · 100% 200.0/10.0 |"
+    row = {"system": "replicas", "workload": "1000/512", "level": 2, "waves": got[:1]}
+    assert wave_table([row], [{"system": "planner", "phases": [phase]}]).splitlines()[2:] == [
+        "| 1000/512 @ 2 | replicas | 50% 350.0/10.0 |", "| phase 1 | planner | 50% 350.0/10.0 · 0% 100.0/30.0 · 100% 200.0/10.0 |"]
+
+
+def test_the_report_reads_each_rows_and_phases_waves_from_the_runs_own_results(tmp_path):
+    result = {**_result([0.1, 0.6], [1.1, 1.6], [101, 101]), "start_times": [0.0, 0.0], "max_concurrency": 2}
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "phases").mkdir()
+    (tmp_path / "runs" / "replicas-1000x512-c2-slo500-20.json").write_text(json.dumps(result))
+    (tmp_path / "phases" / "planner-p0.json").write_text(json.dumps(result))
+    rows = [{"system": "replicas", "workload": "1000/512", "level": 2, "slo": "500/20"}, {"system": "1P1D", "workload": "1000/512", "level": 2}]
+    runs = [{"system": "planner", "phases": [{"phase": 0, "slo": "4000/15"}]}]
+    attach_waves(tmp_path, rows, runs)
+    assert rows[0]["waves"][0]["within_slo"] == 0.5 and "waves" not in rows[1]  # 0.6 s misses 500 ms; a row without results has none
+    assert runs[0]["phases"][0]["waves"][0]["within_slo"] == 1.0  # both within 4000/15
 
 
 def test_goodput_counts_requests_within_both_targets_per_pair_and_per_gpu():

@@ -407,19 +407,25 @@ def phase_table(runs: list[dict[str, Any]], baseline: str = "replicas") -> str:
     return "\n".join(lines)
 
 
-def wave_table(phase_runs: list[dict[str, Any]]) -> str:
-    """Each phase of each system wave by wave (:func:`waves`): within the SLO, TTFT p50 / TPOT p50 ms."""
-    lines = ["| phase | system | waves: within SLO, TTFT p50 / TPOT p50 ms |", "|---|---|---|"]
-    for run in phase_runs:
-        for phase in run.get("phases", []):
-            if "waves" in phase:
-                cells = [f"{w['within_slo']:.0%} {_ms(w['ttft_p50_ms'])}/{_ms(w['tpot_p50_ms'])}" for w in phase["waves"]]
-                lines.append(f"| {phase['phase'] + 1} | {run['system']} | {' · '.join(cells)} |")
+def wave_table(rows: list[dict[str, Any]], phase_runs: list[dict[str, Any]]) -> str:
+    """Each matrix row and each phase of each system wave by wave (:func:`waves`): within the SLO, TTFT p50 / TPOT p50 ms."""
+    entries = [(f"{r['workload']} @ {r['level']}", r) for r in rows]
+    entries += [(f"phase {phase['phase'] + 1}", {"system": run["system"], **phase}) for run in phase_runs for phase in run.get("phases", [])]
+    lines = ["| traffic | system | waves: within SLO, TTFT p50 / TPOT p50 ms |", "|---|---|---|"]
+    for label, entry in entries:
+        if "waves" in entry:
+            cells = [f"{w['within_slo']:.0%} {_ms(w['ttft_p50_ms'])}/{_ms(w['tpot_p50_ms'])}" for w in entry["waves"]]
+            lines.append(f"| {label} | {entry['system']} | {' · '.join(cells)} |")
     return "\n".join(lines)
 
 
-def attach_waves(out: Path, phase_runs: list[dict[str, Any]]) -> None:
-    """Add :func:`waves` to each phase whose vLLM result is in ``out/phases`` (a run's own folder: packed results keep none)."""
+def attach_waves(out: Path, rows: list[dict[str, Any]], phase_runs: list[dict[str, Any]]) -> None:
+    """Add :func:`waves` to each row and phase whose vLLM result is in ``out`` (a run's own folder: packed results keep none)."""
+    for row in rows:
+        if "slo" in row:
+            path = out / "runs" / f"{row['system']}-{row['workload'].replace('/', 'x')}-c{row['level']}-slo{row['slo'].replace('/', '-')}.json"
+            if path.exists():
+                row["waves"] = waves(json.loads(path.read_text()), _slo(row["slo"]))
     for run in phase_runs:
         for phase in run.get("phases", []):
             path = out / "phases" / f"{run['system']}-p{phase['phase']}.json"
@@ -752,7 +758,7 @@ def report(args: argparse.Namespace) -> int:
     else:
         rows = [json.loads(p.read_text()) for p in sorted((args.out / "runs").glob("*.row.json"))]
         phase_runs = [json.loads(p.read_text()) for p in sorted((args.out / "phases").glob("*.row.json"))]
-        attach_waves(args.out, phase_runs)
+        attach_waves(args.out, rows, phase_runs)
     slos = [slo_label(slo) for slo in args.slo]
     rows.sort(key=lambda r: (Workload.parse(r["workload"]).input_len, Workload.parse(r["workload"]).output_len, r["level"], r.get("slo", slos[0]),
                              _system_order(r["system"])))  # fmt: skip
@@ -770,8 +776,8 @@ def report(args: argparse.Namespace) -> int:
         print("\n" + span_table(rows), flush=True)
     if phase_runs:
         print("\n" + phase_table(phase_runs), flush=True)
-    if any("waves" in phase for run in phase_runs for phase in run.get("phases", [])):
-        print("\n" + wave_table(phase_runs), flush=True)
+    if any("waves" in entry for entry in [*rows, *(phase for run in phase_runs for phase in run.get("phases", []))]):
+        print("\n" + wave_table(rows, phase_runs), flush=True)
     for what in [*rows, *phase_runs]:
         if "error" in what:
             print(f"failed: {what['system']} {what.get('workload', 'phases')} {what.get('level', '')}: {what['error']}", flush=True)
