@@ -249,16 +249,12 @@ def waves(result: dict[str, Any], target: tuple[float, float]) -> list[dict[str,
     """
     size = result.get("max_concurrency") or len(result["ttfts"])
     order = sorted(range(len(result["ttfts"])), key=lambda i: result["start_times"][i])
+    keys = ["ttfts", "itls", "output_lens", "errors"] + (["latencies"] if result.get("latencies") else [])
     out = []
     for start in range(0, len(order), size):
-        wave = {"ttfts": [], "itls": [], "output_lens": [], "errors": []}
-        for i in order[start : start + size]:
-            for key in wave:
-                wave[key].append(result[key][i])
-        if result.get("latencies"):
-            wave["latencies"] = [result["latencies"][i] for i in order[start : start + size]]
-        requests = _requests(wave)
-        n = len(wave["ttfts"])
+        wave = order[start : start + size]
+        requests = _requests({key: [result[key][i] for i in wave] for key in keys})
+        n = len(wave)
         out.append({"requests": n, "within_slo": _good(requests, target) / n,
                     "ttft_p50_ms": percentile(requests["ttft"], 50) if requests["ttft"] else None,
                     "tpot_p50_ms": percentile(requests["tpot"], 50) if requests["tpot"] else None})  # fmt: skip
@@ -408,27 +404,39 @@ def phase_table(runs: list[dict[str, Any]], baseline: str = "replicas") -> str:
 
 
 def wave_table(rows: list[dict[str, Any]], phase_runs: list[dict[str, Any]]) -> str:
-    """Each matrix row and each phase of each system wave by wave (:func:`waves`): within the SLO, TTFT p50 / TPOT p50 ms."""
+    """Each matrix row and each phase of each system wave by wave (:func:`waves`): within the SLO, TTFT p50 / TPOT p50 ms;
+    "" when none has its waves."""
     entries = [(f"{r['workload']} @ {r['level']}", r) for r in rows]
     entries += [(f"phase {phase['phase'] + 1}", {"system": run["system"], **phase}) for run in phase_runs for phase in run.get("phases", [])]
-    lines = ["| traffic | system | waves: within SLO, TTFT p50 / TPOT p50 ms |", "|---|---|---|"]
-    for label, entry in entries:
-        if "waves" in entry:
-            cells = [f"{w['within_slo']:.0%} {_ms(w['ttft_p50_ms'])}/{_ms(w['tpot_p50_ms'])}" for w in entry["waves"]]
-            lines.append(f"| {label} | {entry['system']} | {' · '.join(cells)} |")
-    return "\n".join(lines)
+
+    def cell(w: dict[str, Any]) -> str:
+        return f"{w['within_slo']:.0%} {_ms(w['ttft_p50_ms'])}/{_ms(w['tpot_p50_ms'])}"
+
+    lines = [f"| {label} | {entry['system']} | {' · '.join(map(cell, entry['waves']))} |" for label, entry in entries if "waves" in entry]
+    return "\n".join(["| traffic | system | waves: within SLO, TTFT p50 / TPOT p50 ms |", "|---|---|---|", *lines]) if lines else ""
+
+
+def row_stem(system: str, workload: str, level: int, slo: str) -> str:
+    """The name of a matrix row's files in ``DIR/runs`` (``.row.json``, vLLM's ``.json``, ...): ``workload`` as
+    ``IN/OUT`` and ``slo`` as :func:`slo_label` writes it."""
+    return f"{system}-{workload.replace('/', 'x')}-c{level}-slo{slo.replace('/', '-')}"
+
+
+def phase_result(out: Path, system: str, index: int) -> Path:
+    """vLLM's result of phase ``index`` of ``system``'s phase-shifting run."""
+    return out / "phases" / f"{system}-p{index}.json"
 
 
 def attach_waves(out: Path, rows: list[dict[str, Any]], phase_runs: list[dict[str, Any]]) -> None:
     """Add :func:`waves` to each row and phase whose vLLM result is in ``out`` (a run's own folder: packed results keep none)."""
     for row in rows:
         if "slo" in row:
-            path = out / "runs" / f"{row['system']}-{row['workload'].replace('/', 'x')}-c{row['level']}-slo{row['slo'].replace('/', '-')}.json"
+            path = out / "runs" / f"{row_stem(row['system'], row['workload'], row['level'], row['slo'])}.json"
             if path.exists():
                 row["waves"] = waves(json.loads(path.read_text()), _slo(row["slo"]))
     for run in phase_runs:
         for phase in run.get("phases", []):
-            path = out / "phases" / f"{run['system']}-p{phase['phase']}.json"
+            path = phase_result(out, run["system"], phase["phase"])
             if path.exists():
                 phase["waves"] = waves(json.loads(path.read_text()), _slo(phase["slo"]))
 
@@ -670,7 +678,7 @@ def run(args: argparse.Namespace) -> int:
         prompts = point.prompt_count(args)
         for name in args.systems:
             started = time.monotonic()
-            stem = f"{name}-{point.input_len}x{point.output_len}-c{point.level}-slo{target[0]:g}-{target[1]:g}"
+            stem = row_stem(name, point.workload, point.level, slo_label(target))
             row: dict[str, Any] = {"system": name, "workload": point.workload, "level": point.level, "slo": slo_label(target), "prompts": prompts,
                                    "random_range_ratio": args.random_range_ratio}  # fmt: skip
             try:
@@ -729,7 +737,7 @@ def run_phases(name: str, state: dict[str, Any], args: argparse.Namespace) -> bo
             for index, point in enumerate(args.phases):
                 target, prompts = point.target(args), point.prompt_count(args)
                 # Same prompts for every system in a phase; phases of equal traffic get new ones.
-                result = vllm_bench(url, point, prompts, seed=100 + index, out=out / f"{name}-p{index}.json", args=args)
+                result = vllm_bench(url, point, prompts, seed=100 + index, out=phase_result(args.out, name, index), args=args)
                 phase = {"phase": index, "point": str(Point(point.input_len, point.output_len, point.level)), "workload": point.workload,
                          "level": point.level, "slo": slo_label(target), "prompts": prompts,
                          "summary": summarize(result, args.slo, args.gpus, target)}  # fmt: skip
@@ -776,8 +784,8 @@ def report(args: argparse.Namespace) -> int:
         print("\n" + span_table(rows), flush=True)
     if phase_runs:
         print("\n" + phase_table(phase_runs), flush=True)
-    if any("waves" in entry for entry in [*rows, *(phase for run in phase_runs for phase in run.get("phases", []))]):
-        print("\n" + wave_table(rows, phase_runs), flush=True)
+    if waved := wave_table(rows, phase_runs):
+        print("\n" + waved, flush=True)
     for what in [*rows, *phase_runs]:
         if "error" in what:
             print(f"failed: {what['system']} {what.get('workload', 'phases')} {what.get('level', '')}: {what['error']}", flush=True)
