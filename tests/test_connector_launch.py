@@ -10,6 +10,7 @@ from hybrid_pd.connector.contract import (
     EARLY_LEG_HOLD_ENV,
     CPU_PREFIX_CACHING,
     DELAY_ENV,
+    DETOK_SUFFIX,
     ENGINE_FIXES_ENV,
     MERGE_ENV,
     SHM_SPIN,
@@ -285,12 +286,12 @@ def test_cpu_servers_of_a_mamba2_model_get_our_prefix_caching_fix_and_the_cache_
     mamba2 = str(ensure_default_model())
     for role in ("prefill", "decode", "flex", "colocated"):
         launch = build_launch(_spec(role, model=mamba2, side_channel_port=0 if role == "colocated" else 5600))
-        assert launch.env[ENGINE_FIXES_ENV] == f"{SHM_SPIN},{CPU_PREFIX_CACHING}" and "--enable-prefix-caching" in launch.argv
+        assert launch.env[ENGINE_FIXES_ENV] == f"{DETOK_SUFFIX},{SHM_SPIN},{CPU_PREFIX_CACHING}" and "--enable-prefix-caching" in launch.argv
     told = build_launch(_spec("decode", model=mamba2, vllm_args=("--no-enable-prefix-caching",))).argv
     assert told.index("--no-enable-prefix-caching") > told.index("--enable-prefix-caching")  # the last one wins in vLLM's parser
     (tmp_path / "config.json").write_text(FAMILIES["qwen3_next"].config().to_json_string())
-    assert build_launch(_spec("decode", model=str(tmp_path))).env[ENGINE_FIXES_ENV] == SHM_SPIN  # GDN: not what the fix is for
-    assert ENGINE_FIXES_ENV not in build_launch(_spec("decode", model=mamba2, device="cuda")).env
+    assert build_launch(_spec("decode", model=str(tmp_path))).env[ENGINE_FIXES_ENV] == f"{DETOK_SUFFIX},{SHM_SPIN}"  # GDN: not what the fix is for
+    assert build_launch(_spec("decode", model=mamba2, device="cuda")).env[ENGINE_FIXES_ENV] == DETOK_SUFFIX
 
 
 def test_every_cpu_server_spins_sleeping_and_no_gpu_server_does():
@@ -298,4 +299,12 @@ def test_every_cpu_server_spins_sleeping_and_no_gpu_server_does():
     for role in ("prefill", "decode", "flex", "colocated"):
         port = 0 if role == "colocated" else 5600
         assert SHM_SPIN in build_launch(_spec(role, side_channel_port=port)).env[ENGINE_FIXES_ENV].split(",")
-        assert ENGINE_FIXES_ENV not in build_launch(_spec(role, device="cuda", side_channel_port=port)).env
+        assert SHM_SPIN not in build_launch(_spec(role, device="cuda", side_channel_port=port)).env[ENGINE_FIXES_ENV].split(",")
+
+
+def test_every_server_primes_its_detokenizer_with_the_prompts_last_tokens():
+    """vLLM decodes a request's whole prompt on its first token (docs/performance.md); every role on every device skips that."""
+    for role in ("prefill", "decode", "flex", "colocated"):
+        for device in ("cpu", "cuda"):
+            fixes = build_launch(_spec(role, device=device, side_channel_port=0 if role == "colocated" else 5600)).env[ENGINE_FIXES_ENV]
+            assert DETOK_SUFFIX in fixes.split(",")

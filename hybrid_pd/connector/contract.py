@@ -15,6 +15,7 @@ __all__ = [
     "CPU_PREFIX_CACHING",
     "DECODE_ROW",
     "DELAY_ENV",
+    "DETOK_SUFFIX",
     "ENGINE_FIXES_ENV",
     "FAILED_PULLS",
     "HANDOFF_KEY_HEADER",
@@ -58,10 +59,11 @@ TEST_ONLY_DISABLE_ENV = "HYBRID_PD_TEST_ONLY_DISABLE_DECODE_ROW_FIX"  # decode_r
 
 # Fixes of vLLM's engine our vLLM plugin applies in every process of a server that names them, comma-separated
 # (hybrid_pd.connector.vllm.plugin): "cpu_prefix_caching" (hybrid_pd.connector.vllm.cpu_prefix_caching),
-# "shm_spin" (hybrid_pd.connector.vllm.shm_spin).
+# "shm_spin" (hybrid_pd.connector.vllm.shm_spin), "detok_suffix" (hybrid_pd.connector.vllm.detok_suffix).
 ENGINE_FIXES_ENV = "HYBRID_PD_ENGINE_FIXES"
 CPU_PREFIX_CACHING = "cpu_prefix_caching"
 SHM_SPIN = "shm_spin"
+DETOK_SUFFIX = "detok_suffix"
 
 # The hand-off timeline (hybrid_pd.connector.trace): its folder, and which role writes.
 TIMELINE_DIR_ENV = "HYBRID_PD_TIMELINE_DIR"

@@ -19,6 +19,7 @@ from hybrid_pd.connector.contract import (
     CAPABILITIES_ENV,
     CONV_STATE_LAYOUT,
     CPU_PREFIX_CACHING,
+    DETOK_SUFFIX,
     DECODE_ROW,
     DELAY_ENV,
     ENGINE_FIXES_ENV,
@@ -317,15 +318,19 @@ def prefix_caching_default(spec: WorkerSpec, shape: ModelShape | None) -> tuple[
 def engine_fix_env(spec: WorkerSpec, shape: ModelShape | None) -> dict[str, str]:
     """The engine fixes our vLLM plugin applies in this server (:mod:`hybrid_pd.connector.vllm.plugin`).
 
+    Every device and role: a request's stream is primed with its prompt's last tokens, not the whole prompt
+    (:mod:`hybrid_pd.connector.vllm.detok_suffix`: the same text, without decoding the prompt on the first token).
     CPU, every role: vLLM's message queues spin sleeping, not yielding (:mod:`hybrid_pd.connector.vllm.shm_spin`:
     on a shared CPU their spin starved the other servers).
     CPU, Mamba2: prefix caching's state checkpoints (:mod:`hybrid_pd.connector.vllm.cpu_prefix_caching`);
     they change nothing while prefix caching is off (only a scan asked for chunk states takes the new path).
     """
-    if spec.device != "cpu":
-        return {}
-    mamba2 = shape is not None and shape.state_kind == "mamba2"
-    return {ENGINE_FIXES_ENV: ",".join([SHM_SPIN, *([CPU_PREFIX_CACHING] if mamba2 else [])])}
+    fixes = [DETOK_SUFFIX]
+    if spec.device == "cpu":
+        fixes.append(SHM_SPIN)
+        if shape is not None and shape.state_kind == "mamba2":
+            fixes.append(CPU_PREFIX_CACHING)
+    return {ENGINE_FIXES_ENV: ",".join(fixes)}
 
 
 def memory_args(spec: WorkerSpec) -> list[str]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 
-from hybrid_pd.connector.contract import CPU_PREFIX_CACHING, ENGINE_FIXES_ENV, SHM_SPIN
+from hybrid_pd.connector.contract import CPU_PREFIX_CACHING, DETOK_SUFFIX, ENGINE_FIXES_ENV, SHM_SPIN
 
 __all__ = ["load"]
 
@@ -35,3 +35,9 @@ def load() -> None:
         if (spinning := shm_spin.probe()) is not None:
             shm_spin.apply()
             log.info("hybrid-pd: %s; each turn sleeps %g us instead, leaving the core to the others", spinning, shm_spin.SPIN_SLEEP_S * 1e6)
+    if DETOK_SUFFIX in fixes:
+        from hybrid_pd.connector.vllm import detok_suffix
+
+        if (why := detok_suffix.probe()) is not None:
+            detok_suffix.apply()
+            log.info("hybrid-pd: %s; each stream is primed with the prompt's last %d tokens instead", why, detok_suffix.SUFFIX_TOKENS)
