@@ -753,6 +753,9 @@ def test_lock_holds_every_package_the_tested_environment_needs(lock: str, extras
     assert _installed_closure(_image_requirements(extras), skip, pins) - set(pins) == set()
 
 
+RESULTS = "hybrid_pd/bench/results/"
+
+
 def test_build_context_carries_what_the_images_copy_and_nothing_secret():
     for path in DOCKERFILES:
         for sources, _ in dc.Dockerfile.read(path).copies:
@@ -760,11 +763,16 @@ def test_build_context_carries_what_the_images_copy_and_nothing_secret():
                 files = (
                     [source]
                     if (dc.ROOT / source).is_file()
-                    else [str(f.relative_to(dc.ROOT)) for f in (dc.ROOT / source).rglob("*.py") if "__pycache__" not in f.parts]
-                )
+                    else [
+                        str(f.relative_to(dc.ROOT)) for f in (dc.ROOT / source).rglob("*.py")
+                        if "__pycache__" not in f.parts and not str(f.relative_to(dc.ROOT)).startswith(RESULTS)
+                    ]
+                )  # fmt: skip
                 assert files, f"{path.name} copies {source}, which does not exist"
                 for file in files:
                     assert not dc.dockerignored(file, DOCKERIGNORE), f"{path.name} copies {file}, .dockerignore drops it"
+    # Measurements and the tools a run used (a probe, its analysis) are neither installed (pyproject.toml) nor sent.
+    assert dc.dockerignored(RESULTS + "2026-11-27-h100-handoff-probe/analyze.py", DOCKERIGNORE)
     for private in (".env", ".venv/bin/python", ".git/config", ".hybrid-pd/logs/x.log", "tests/test_deploy.py"):
         assert dc.dockerignored(private, DOCKERIGNORE), private
 
