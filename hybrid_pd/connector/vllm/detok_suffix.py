@@ -9,7 +9,7 @@ waits meanwhile. Measured on an H100 (docs/performance.md, "Inside vLLM's decode
 pays it twice (the prefill's one token, the decode's first), a colocated one once.
 
 What a stream emits for a new token is the text the token adds to the decoded ids before it; for the decoders of
-Hugging Face tokenizers (byte-level, Metaspace with byte fallback) that depends only on the last few ids, so a stream
+Hugging Face tokenizers (byte-level BPE, Metaspace) that depends only on the last few ids, so a stream
 primed with the prompt's last :data:`SUFFIX_TOKENS` emits the same text, and after its first token holds the same
 state (both keep only the ids since their last emitted text). Where the suffix decodes to nothing or ends inside a
 character (the prompt's own end is then broken, and vLLM's stream emits the prompt's text with the first token), the
