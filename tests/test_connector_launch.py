@@ -308,3 +308,9 @@ def test_every_server_primes_its_detokenizer_with_the_prompts_last_tokens():
         for device in ("cpu", "cuda"):
             fixes = build_launch(_spec(role, device=device, side_channel_port=0 if role == "colocated" else 5600)).env[ENGINE_FIXES_ENV]
             assert DETOK_SUFFIX in fixes.split(",")
+
+
+def test_a_fix_left_out_is_not_asked_of_the_plugin_and_the_others_still_are():
+    """For a measurement against vLLM's own behaviour (--skip-engine-fix), as docs/performance.md's A/Bs need."""
+    assert build_launch(_spec("decode", skip_engine_fixes=(SHM_SPIN,))).env[ENGINE_FIXES_ENV] == DETOK_SUFFIX
+    assert ENGINE_FIXES_ENV not in build_launch(_spec("decode", device="cuda", skip_engine_fixes=(DETOK_SUFFIX,))).env

@@ -20,7 +20,7 @@ FLAGS = [
     "--gpu-memory-utilization", "--cpu-threads-bind", "--ready-timeout-s", "--kv-lease-s", "--ucx-net-devices",
     "--merge-descriptors", "--no-merge-descriptors", "--pull-await-us", "--early-leg-hold", "--nixl-trace-dir", "--timeline-dir", "--decode-row-fix", "--router-url",
     "--router-every-address", "--no-router-every-address", "--advertise-url",
-    "--drain-timeout-s", "--start-stall-s", "--serve-stall-s", "--speculative-config", "--vllm-arg", "--dry-run",
+    "--drain-timeout-s", "--start-stall-s", "--serve-stall-s", "--speculative-config", "--vllm-arg", "--skip-engine-fix", "--dry-run",
 ]  # fmt: skip
 
 
@@ -97,3 +97,9 @@ def test_the_speculative_config_is_one_canonical_json_object_and_only_given_by_i
 def test_without_a_model_the_spec_serves_the_embedded_one():
     spec = WorkerSettings().spec("decode")
     assert spec.served_model_name == "hybrid-pd-tiny" and spec.model.endswith("hybrid-pd-tiny")
+
+
+def test_an_engine_fix_left_out_must_be_one_of_ours():
+    assert WorkerSettings(skip_engine_fixes=("detok_suffix",)).skip_engine_fixes == ("detok_suffix",)
+    with pytest.raises(ValueError, match="not one of"):
+        WorkerSettings(skip_engine_fixes=("detok",))

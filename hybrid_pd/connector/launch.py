@@ -81,6 +81,7 @@ class WorkerSpec:
     early_leg_hold: str = "engine"  # where early decode legs wait for their push (hybrid_pd.connector.vllm.handoff)
     speculative_config: str | None = None  # vLLM's --speculative-config JSON (the settings' canonical form)
     vllm_args: tuple[str, ...] = ()
+    skip_engine_fixes: tuple[str, ...] = ()  # our plugin's fixes left out (ENGINE_FIXES), for an A/B against vLLM's own
     # What the start-up check decided (hybrid_pd.connector.vllm.capabilities): (piece, "vllm" | "fallback:<how>") pairs.
     capabilities: tuple[tuple[str, str], ...] = ()
 
@@ -330,7 +331,8 @@ def engine_fix_env(spec: WorkerSpec, shape: ModelShape | None) -> dict[str, str]
         fixes.append(SHM_SPIN)
         if shape is not None and shape.state_kind == "mamba2":
             fixes.append(CPU_PREFIX_CACHING)
-    return {ENGINE_FIXES_ENV: ",".join(fixes)}
+    fixes = [fix for fix in fixes if fix not in spec.skip_engine_fixes]
+    return {ENGINE_FIXES_ENV: ",".join(fixes)} if fixes else {}
 
 
 def memory_args(spec: WorkerSpec) -> list[str]:

@@ -16,6 +16,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from hybrid_pd.common import checks
 from hybrid_pd.common.cli_flags import ENV_ONLY, Flag
+from hybrid_pd.connector.contract import ENGINE_FIXES
 from hybrid_pd.connector.launch import Device, Role, WorkerSpec
 from hybrid_pd.connector.topology import rdma_devices
 from hybrid_pd.default_model import resolve_model
@@ -110,6 +111,11 @@ class WorkerSettings(BaseSettings):
         "\"num_speculative_tokens\": 2}); give the prefill and the decode worker the same one",
     )
     vllm_args: Annotated[tuple[str, ...], Flag("--vllm-arg")] = Field((), description="extra vLLM argument (repeatable)")
+    skip_engine_fixes: Annotated[tuple[str, ...], Flag("--skip-engine-fix")] = Field(
+        (),
+        description="one of our vLLM plugin's fixes left out, for a measurement against vLLM's own behaviour "
+        f"(repeatable: {', '.join(ENGINE_FIXES)}; docs/connector.md)",
+    )
 
     # What each value must be, refused before vLLM starts (hybrid_pd/common/checks.py).
     _ports = field_validator("port", "side_channel_port")(checks.tcp_port)
@@ -120,6 +126,11 @@ class WorkerSettings(BaseSettings):
     _drain = field_validator("drain_timeout_s", "pull_await_us")(checks.not_negative)
     _url = field_validator("advertise_url")(checks.http_url)
     _speculative = field_validator("speculative_config")(checks.json_object)
+
+    @field_validator("skip_engine_fixes")
+    @classmethod
+    def _known_fixes(cls, names: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(checks.one_of(*ENGINE_FIXES)(name) for name in names)
 
     @field_validator("vllm_args")
     @classmethod
