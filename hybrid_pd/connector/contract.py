@@ -65,7 +65,7 @@ ENGINE_FIXES_ENV = "HYBRID_PD_ENGINE_FIXES"
 CPU_PREFIX_CACHING = "cpu_prefix_caching"
 SHM_SPIN = "shm_spin"
 DETOK_SUFFIX = "detok_suffix"
-ENGINE_FIXES = (CPU_PREFIX_CACHING, SHM_SPIN, DETOK_SUFFIX)
+ENGINE_FIXES = (CPU_PREFIX_CACHING, SHM_SPIN, DETOK_SUFFIX)  # each the name of its module, applied in this order
 
 # The hand-off timeline (hybrid_pd.connector.trace): its folder, and which role writes.
 TIMELINE_DIR_ENV = "HYBRID_PD_TIMELINE_DIR"

@@ -26,7 +26,9 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["apply", "probe", "scan_with_chunk_states", "store_checkpoints"]
+__all__ = ["DOES", "apply", "probe", "scan_with_chunk_states", "store_checkpoints"]
+
+DOES = "prefix caching of Mamba2 state on CPU by our torch scan and checkpoint store"
 
 
 def scan_with_chunk_states(scan: Callable[..., Any]) -> Callable[..., Any]:

@@ -24,9 +24,10 @@ import inspect
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["SUFFIX_TOKENS", "apply", "prime_ids", "probe"]
+__all__ = ["DOES", "SUFFIX_TOKENS", "apply", "prime_ids", "probe"]
 
 SUFFIX_TOKENS = 24  # as vLLM primed before it primed with the whole prompt: enough for any character's bytes
+DOES = f"each stream is primed with the prompt's last {SUFFIX_TOKENS} tokens instead"
 
 
 def prime_ids(tokenizer: Any, prompt_ids: Sequence[int], skip_special_tokens: bool) -> list[int] | None:

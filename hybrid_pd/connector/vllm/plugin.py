@@ -10,10 +10,11 @@ roles load, the plugin reaches colocated servers too.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 
-from hybrid_pd.connector.contract import CPU_PREFIX_CACHING, DETOK_SUFFIX, ENGINE_FIXES_ENV, SHM_SPIN
+from hybrid_pd.connector.contract import ENGINE_FIXES, ENGINE_FIXES_ENV
 
 __all__ = ["load"]
 
@@ -21,23 +22,14 @@ log = logging.getLogger("vllm.hybrid_pd.plugin")
 
 
 def load() -> None:
-    """The entry point: apply each fix ``HYBRID_PD_ENGINE_FIXES`` names that this vLLM needs."""
-    fixes = set(filter(None, os.environ.get(ENGINE_FIXES_ENV, "").split(",")))
-    if CPU_PREFIX_CACHING in fixes:
-        from hybrid_pd.connector.vllm import cpu_prefix_caching
+    """The entry point: apply each fix ``HYBRID_PD_ENGINE_FIXES`` names that this vLLM needs.
 
-        if (missing := cpu_prefix_caching.probe()) is not None:
-            cpu_prefix_caching.apply()
-            log.info("hybrid-pd: prefix caching of Mamba2 state on CPU by our torch scan and checkpoint store (%s)", missing)
-    if SHM_SPIN in fixes:
-        from hybrid_pd.connector.vllm import shm_spin
-
-        if (spinning := shm_spin.probe()) is not None:
-            shm_spin.apply()
-            log.info("hybrid-pd: %s; each turn sleeps %g us instead, leaving the core to the others", spinning, shm_spin.SPIN_SLEEP_S * 1e6)
-    if DETOK_SUFFIX in fixes:
-        from hybrid_pd.connector.vllm import detok_suffix
-
-        if (why := detok_suffix.probe()) is not None:
-            detok_suffix.apply()
-            log.info("hybrid-pd: %s; each stream is primed with the prompt's last %d tokens instead", why, detok_suffix.SUFFIX_TOKENS)
+    A fix is the module of its name beside this one: ``probe()`` says why this vLLM needs it (None: it does not),
+    ``apply()`` puts it in place, ``DOES`` says what it does instead (logged).
+    """
+    named = set(filter(None, os.environ.get(ENGINE_FIXES_ENV, "").split(",")))
+    for name in (fix for fix in ENGINE_FIXES if fix in named):
+        fix = importlib.import_module(f"{__package__}.{name}")
+        if (why := fix.probe()) is not None:
+            fix.apply()
+            log.info("hybrid-pd: %s; %s", why, fix.DOES)

@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import time
 
-__all__ = ["SPIN_SLEEP_S", "apply", "probe"]
+__all__ = ["DOES", "SPIN_SLEEP_S", "apply", "probe"]
 
 SPIN_SLEEP_S = 50e-6
+DOES = f"each turn sleeps {SPIN_SLEEP_S * 1e6:g} us instead, leaving the core to the others"
 
 
 def _sleep_a_little() -> None:
