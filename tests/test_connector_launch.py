@@ -214,11 +214,15 @@ def test_early_legs_wait_in_vllms_engine_client_unless_the_worker_says_the_serve
     assert EARLY_LEG_HOLD_ENV not in build_launch(_spec("colocated", early_leg_hold="server")).env
 
 
-def test_every_role_keeps_vllms_scheduling():
-    for role in ("prefill", "decode", "flex", "colocated"):
-        for device in ("cpu", "cuda"):
+def test_prefill_workers_schedule_each_step_after_the_last_and_the_others_keep_vllms_scheduling():
+    """Asynchronous scheduling made every request reaching a busy prefill worker wait a whole step more (docs/performance.md)."""
+    for device in ("cpu", "cuda"):
+        assert "--no-async-scheduling" in build_launch(_spec("prefill", device=device)).argv
+        for role in ("decode", "flex", "colocated"):  # a decode step is short and hiding its launch pays; flex workers decode too
             argv = build_launch(_spec(role, device=device, side_channel_port=0 if role == "colocated" else 5600)).argv
             assert "--no-async-scheduling" not in argv and "--async-scheduling" not in argv
+    told = build_launch(_spec("prefill", vllm_args=("--async-scheduling",))).argv
+    assert told.index("--async-scheduling") > told.index("--no-async-scheduling")  # the last one wins in vLLM's parser
 
 
 def test_a_flex_worker_is_both_roles_to_nixl():

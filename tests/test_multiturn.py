@@ -11,7 +11,8 @@ import pytest
 from hybrid_pd.bench.client import RequestResult, complete
 from hybrid_pd.bench.gpu.goodput import SERVERS, SYSTEMS
 from hybrid_pd.bench.gpu.multiturn import worker_groups
-from hybrid_pd.bench.multiturn import Conversations, Turn, ideal_reusable, summarize
+from hybrid_pd.bench.multiturn import Conversations, Turn, ideal_reusable, request_id, summarize
+from hybrid_pd.bench.timeline import request_group
 
 
 def _turn(conversation: int, turn: int, prompt: list[int], ttft: float = 0.1, e2e: float = 1.0, sent: float = 0.0) -> Turn:
@@ -37,6 +38,15 @@ def test_summary_splits_first_and_later_turns_and_counts_goodput_per_gpu():
     # TPOT (1.0 - TTFT) / 9 is under 200 ms for all four; TTFT 600 ms breaks the SLO once: 3 requests in 2 s on 2 GPUs.
     assert summary["goodput"]["500/200"] == {"req_s": 1.5, "req_s_per_gpu": 0.75}
     assert summary["cache"]["prefill"] == {"hits": 30.0, "queries": 100.0, "computed": 70.0, "hit_share_of_ideal": 0.75}
+
+
+def test_request_ids_are_unique_per_run_and_group_the_timeline_by_turn():
+    spec = Conversations(tag="pd-c8")
+    ids = {request_id(spec, c, t, salt) for c in range(3) for t in range(4) for salt in (False, True)}
+    ids.add(request_id(Conversations(tag="pd-c16"), 0, 0, False))
+    assert len(ids) == 3 * 4 * 2 + 1  # no two requests of these runs share an id
+    assert request_group(request_id(spec, 7, 2, False)) == "pd-c8-turn2"
+    assert request_group(request_id(spec, 7, 0, True)) == "pd-c8-salted-turn0"
 
 
 def test_conversations_draw_the_same_tokens_for_the_same_seed():

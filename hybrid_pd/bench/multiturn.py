@@ -39,7 +39,7 @@ from hybrid_pd.bench.client import RequestResult, Sampling, complete
 from hybrid_pd.bench.stats import percentile
 from hybrid_pd.common.prom import metric_sum, prefix_hit_tokens
 
-__all__ = ["Conversations", "Turn", "ideal_reusable", "main", "run", "summarize"]
+__all__ = ["Conversations", "Turn", "ideal_reusable", "main", "request_id", "run", "summarize"]
 
 HITS, QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
 
@@ -74,6 +74,12 @@ class Turn:
     result: RequestResult
 
 
+def request_id(spec: Conversations, index: int, turn: int, salt: bool) -> str:
+    """A turn's ``X-Request-Id``: unique per run (tag, salted or not), and ending in ``-<conversation>`` so that a hand-off
+    timeline groups a run's requests by turn (``python -m hybrid_pd.bench.budget``: one budget per ``<tag>-turn<t>``)."""
+    return f"{spec.tag or 'conv'}{'-salted' if salt else ''}-turn{turn}-{index}"
+
+
 async def _conversation(
     client: httpx.AsyncClient, url: str, sampling: Sampling, spec: Conversations, index: int, system: list[int], salt: bool
 ) -> list[Turn]:
@@ -83,9 +89,10 @@ async def _conversation(
     for turn in range(spec.turns):
         prompt = history + spec.ids(rng, lengths.randint(*spec.user_tokens))
         body = {**sampling.body(prompt), "return_token_ids": True}
-        if salt:
-            body["cache_salt"] = f"{spec.seed}-{index}-{turn}"
-        result = await complete(client, url + "/v1/completions", body, request_id=f"conv{index}-turn{turn}")
+        rid = request_id(spec, index, turn, salt)
+        if salt:  # the request's own id: no other request of this run or of another hits what it cached
+            body["cache_salt"] = rid
+        result = await complete(client, url + "/v1/completions", body, request_id=rid)
         turns.append(Turn(index, turn, tuple(prompt), result))
         if not result.ok:
             break
@@ -230,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shared-system", action="store_true", help="one system prompt for every conversation")
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tag", default="", help="the tokens' own seed and the request ids' prefix: runs with other tags send other tokens")
     ap.add_argument("--concurrency", type=int, default=8, help="conversations at once")
     ap.add_argument("--cache-salt", action="store_true", help="a salt per request: no prefix hit anywhere")
     ap.add_argument("--metrics", action="append", type=_metrics, default=[], help="GROUP=URL of a worker whose prefix-cache counters to read (repeatable)")
@@ -240,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     low, _, high = args.user_tokens.partition("-")
     spec = Conversations(args.conversations, args.turns, args.system_tokens, (int(low), int(high or low)), args.output_tokens,
-                         args.shared_system, args.vocab, args.seed)  # fmt: skip
+                         args.shared_system, args.vocab, args.seed, args.tag)  # fmt: skip
     slos = [tuple(float(x) for x in s.split("/")) for s in args.slo or ["500/20", "1500/50"]]
     groups: dict[str, list[str]] = {}
     for group, url in args.metrics:

@@ -69,7 +69,7 @@ def compare(profile: Profile, run: dict[str, Any]) -> list[dict[str, Any]]:
         measured = _measured(row["summary"])
         error = {k: (predicted[k] - measured[k]) / measured[k] if measured[k] else None for k in FIGURES}
         rows.append({"system": row["system"], "level": row["level"], "salted": row["salted"], "measured": measured, "predicted": predicted,
-                     "error": error})  # fmt: skip
+                     "error": error, **({"label": row["label"]} if "label" in row else {})})  # fmt: skip
     return rows
 
 
@@ -77,7 +77,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     head = ["system", "conversations at once", "req/s", f"goodput {SLO_PAIR} /GPU", "TTFT p50 turn 1 ms", "TTFT p50 turns 2+ ms", "TPOT mean ms"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [r["system"] + (" (salted: no hits)" if r["salted"] else ""), str(r["level"])]
+        cells = [r.get("label", r["system"]) + (" (salted: no hits)" if r["salted"] else ""), str(r["level"])]
         cells += [f"{r['measured'][k]:.2f} → {r['predicted'][k]:.2f} ({r['error'][k]:+.0%})" for k in FIGURES]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -1,0 +1,132 @@
+#!/bin/bash
+# Issue #35, part 3: where a P/D turn's time goes in the multi-turn run of docs/performance.md (two GPUs, vLLM 0.26 from
+# ../shared/gpu), whose P/D turns reached their first token 200-300 ms later than the simulator predicts. Nemotron-H-8B at
+# its published size, prefix caching on, the multi-turn run's settings (--max-num-seqs 128 --gpu-memory-utilization 0.45
+# --kv-cache-memory-bytes 8GiB --max-model-len 4096); two P/D pairs, prefill on GPU 0 and decode on GPU 1:
+#   ded:  a prefill and a decode worker, both recording the hand-off timeline (--timeline-dir), as its router does;
+#   flex: two flexible workers (what the multi-turn run measured as "pd"), the router's spans only.
+# Each pair behind its own prefix_reuse router. Runs (32 conversations of 4 turns, 2,000-token system prompts, user
+# messages of 100-300 tokens, 100-token answers): each pair at 8 conversations at once, with prefix hits and salted (no
+# hit), then the dedicated pair at 1 at once; every server's /metrics read before and after each run (run1/).
+# Run 2 (run2-prefill-sync/): SERVERS, PAIRS, RUNS and PROBE=1 as in docs/performance.md ("Multi-turn chat: where a P/D
+# turn's time goes"): a second prefill worker with --no-async-scheduling, both prefill workers feeding the same decode worker.
+# Device time with the kit (lease figures): run 1 ~465 s, run 2 ~460 s (../2026-11-28-gpu-prefix-hit-cost between them ~535 s).
+# Calls (the machine goes cold ~30 s after a call: never leave a gap):
+#   call 3: bash .gpu/c3/unpack.sh --all .gpu/c3/c3.tar.xz || exit; source .gpu/c3/env.sh; bash hybrid_pd/bench/results/2026-11-28-gpu-multiturn-timeline/run.sh start
+#   call 4: bash /tmp/site/.gpu-payload/unpack.sh --all >/dev/null || exit; source /tmp/site/.gpu-payload/env.sh; bash hybrid_pd/bench/results/2026-11-28-gpu-multiturn-timeline/run.sh wait 500; bash hybrid_pd/bench/results/2026-11-28-gpu-multiturn-timeline/run.sh pack
+set -u
+STAGE=${1:-status}
+HERE=$(cd "$(dirname "$0")" && pwd)
+DIR=${DIR:-/tmp/mt-timeline}
+M=${MODEL:-/tmp/full/nemotron_h}
+NAME=nemotron-h-8b
+DEVICE=${DEVICE:-cuda} SYSTEM_TOKENS=${SYSTEM_TOKENS:-2000}  # DEVICE=cpu MODEL=<tiny model dir> SERVERS=... RUNS=...: a smoke run of this script on CPU
+RUNS=${RUNS:-"ded:8:32: flex:8:32: ded:8:32:salted flex:8:32:salted ded:1:8: ded:16:32: flex:16:32: dedb:8:32:"}  # pair:at once:conversations:salted
+export PYTHONPATH=$PWD:${PYTHONPATH:-/tmp/site} PYTHONUNBUFFERED=1 UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y
+if [ -n "${PROBE:-}" ]; then  # PROBE=1: every process times vLLM's scheduler and model runner per call (../2026-11-27-h100-handoff-probe)
+  export PYTHONPATH=$HERE/../2026-11-27-h100-handoff-probe/probe:$PYTHONPATH HANDOFF_PROBE_DIR=$DIR/probe
+  mkdir -p $DIR/probe
+fi
+T0=$(date +%s)
+log() { echo "[$(($(date +%s) - T0))s] $*"; }
+COMMON=(--model $M --served-model-name $NAME --device $DEVICE --max-model-len 4096 --max-num-seqs 128 --vllm-arg=--enable-prefix-caching)
+[ $DEVICE = cuda ] && COMMON+=(--gpu-memory-utilization 0.45 --kv-cache-memory-bytes 8589934592)
+# name role gpu port side-channel-port extra...
+SERVERS=${SERVERS:-"pre:prefill:0:8100:5600 dec:decode:1:8101:5601 flex0:flex:0:8102:5602 flex1:flex:1:8103:5603"}  # name:role:gpu:port:side channel[:extra flag]
+PAIRS=${PAIRS:-"ded:8110:8100:8101 flex:8111:8102:8103"}  # router name:port:prefill port:decode port
+serve() {
+  local name=$1 role=$2 gpu=$3 port=$4 sc=$5; shift 5
+  CUDA_VISIBLE_DEVICES=$gpu setsid python3 -m hybrid_pd.cli $role "${COMMON[@]}" --port $port --side-channel-port $sc "$@" \
+    > $DIR/logs/$name.log 2>&1 < /dev/null &
+  echo $! > $DIR/pid-$name
+}
+ready() {
+  for p in "$@"; do
+    until curl -sf 127.0.0.1:$p/health > /dev/null; do
+      [ $(($(date +%s) - T0)) -gt 480 ] && { log "port $p not ready"; return 1; }
+      sleep 3
+    done
+  done
+}
+snapshot() { # run when
+  local s server port
+  for s in $SERVERS; do IFS=: read -r server _ _ port _ <<< "$s"; curl -s 127.0.0.1:$port/metrics > $DIR/metrics/$1-$2-$server.txt; done
+}
+measure() { # the runs, one after the other (detached)
+  local granule run pair level convs salted
+  granule=$(grep -ho "Setting attention block size to [0-9]* tokens" $DIR/logs/pre.log | tail -1 | grep -o "[0-9]*" | head -1)
+  for run in $RUNS; do
+    IFS=: read -r pair level convs salted <<< "$run"
+    local tag="$pair-c$level" p name rport pport dport
+    for p in $PAIRS; do IFS=: read -r name rport pport dport <<< "$p"; [ "$name" = "${pair%b}" ] && break; done  # dedb: ded again, fresh tokens
+    local url=http://127.0.0.1:$rport metrics=(--metrics prefill=http://127.0.0.1:$pport --metrics decode=http://127.0.0.1:$dport)
+    local name=$tag${salted:+-salted}
+    snapshot $name before
+    python3 -m hybrid_pd.bench.multiturn --url $url --model $NAME --conversations $convs --turns 4 --system-tokens $SYSTEM_TOKENS \
+      --user-tokens 100-300 --output-tokens 100 --vocab 512 --concurrency $level --gpus 2 --granule ${granule:-1152} \
+      --tag $tag ${salted:+--cache-salt} "${metrics[@]}" --out $DIR/mt/$name.json > $DIR/mt/$name.log 2>&1
+    log "$name rc $? $(tail -1 $DIR/mt/$name.log)"
+    snapshot $name after
+  done
+}
+running() { [ -f $DIR/measure.pid ] && kill -0 "$(cat $DIR/measure.pid)" 2>/dev/null; }
+case $STAGE in
+start)
+  mkdir -p $DIR/logs $DIR/metrics $DIR/mt $DIR/timeline
+  nvidia-smi -L > $DIR/gpus.txt
+  python3 -c "import vllm, torch, nixl; print('vllm', vllm.__version__, 'torch', torch.__version__)" > $DIR/versions.txt 2>&1
+  git -C $PWD rev-parse HEAD > $DIR/commit.txt 2>/dev/null
+  if [ $DEVICE = cuda ] && [ ! -f $M/config.json ]; then
+    python3 -m hybrid_pd.models.families /tmp/full --full nemotron_h > $DIR/build.log 2>&1 || { log "build failed"; tail -20 $DIR/build.log; exit 1; }
+  fi
+  log "model ready"
+  for s in $SERVERS; do
+    IFS=: read -r name role gpu port sc flag <<< "$s"
+    extra=(${flag:+$flag})
+    [ $role != flex ] && extra+=(--timeline-dir $DIR/timeline)
+    serve $name $role $gpu $port $sc "${extra[@]}"
+  done
+  ready $(for s in $SERVERS; do echo $s | cut -d: -f4; done) || { tail -30 $DIR/logs/*.log; exit 1; }
+  log "servers ready"
+  routers=()
+  for p in $PAIRS; do  # a prefix_reuse router per pair of servers started
+    IFS=: read -r name rport pport dport <<< "$p"
+    ports=" $(for s in $SERVERS; do echo -n "$(echo $s | cut -d: -f4) "; done)"
+    [[ $ports == *" $pport "* && $ports == *" $dport "* ]] || continue
+    setsid python3 -m hybrid_pd.cli router --port $rport --prefill http://127.0.0.1:$pport --decode http://127.0.0.1:$dport \
+      --decode-policy prefix_reuse --prefill-policy prefix_reuse --timeline-dir $DIR/timeline > $DIR/logs/router-$name.log 2>&1 < /dev/null &
+    echo $! > $DIR/pid-router-$name; routers+=($rport)
+  done
+  ready "${routers[@]}" || exit 1
+  for port in "${routers[@]}"; do  # the first conversations after start compile and capture: not measured
+    url=http://127.0.0.1:$port
+    python3 -m hybrid_pd.bench.multiturn --url $url --model $NAME --conversations 2 --turns 2 --system-tokens $SYSTEM_TOKENS \
+      --user-tokens 100-300 --output-tokens 100 --vocab 512 --concurrency 2 --tag warmup$port --seed 99 >> $DIR/warmup.log 2>&1
+  done
+  log "warm: $(grep -c requests $DIR/warmup.log) runs"
+  export -f measure snapshot log; export DIR RUNS SERVERS PAIRS NAME T0 SYSTEM_TOKENS
+  setsid nohup bash -c measure >> $DIR/measure.out 2>&1 < /dev/null &
+  echo $! > $DIR/measure.pid
+  bash "$0" wait $((520 - ($(date +%s) - T0)))
+  ;;
+runs)  # the runs again on the servers started (RUNS=... with tags not used yet: a tag's tokens are in the caches)
+  measure
+  ;;
+wait)
+  while running && [ $(($(date +%s) - T0)) -lt "${2:-540}" ]; do sleep 10; done
+  cat $DIR/measure.out
+  running && { log "still running"; exit 1; }
+  log "runs ended"
+  ;;
+pack)
+  running && kill -TERM -- -"$(cat $DIR/measure.pid)"
+  for f in $DIR/pid-*; do kill -TERM -- -"$(cat $f)" 2>/dev/null; done
+  python3 $HERE/analyze.py $DIR --json $DIR/analysis.json > $DIR/analysis.txt 2>&1; tail -c 6000 $DIR/analysis.txt
+  tar -C $(dirname $DIR) -czf "${OUT:?set OUT (the device call sets it)}/results.tar.gz" $(basename $DIR)
+  ls -la $OUT
+  ;;
+*)
+  echo "usage: $0 start | runs | wait [SECONDS] | pack" >&2
+  exit 2
+  ;;
+esac
