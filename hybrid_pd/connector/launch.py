@@ -418,7 +418,7 @@ def prefill_scheduling_args(spec: WorkerSpec) -> list[str]:
     is a few milliseconds and hiding its launch is worth it; on a prefill worker every request is such an
     arrival and a step lasts tens to hundreds of milliseconds. Measured on two H200s (vLLM 0.26, multi-turn
     chat, 8 conversations at once, the same decode worker behind both): the prefill's way into its engine
-    went from 56-72 ms to 2-17 ms p50 and its step from 114-327 ms to 62-77, P/D TTFT of later turns from
+    went from 56-72 ms to 2-17 ms p50 and its step from 114-327 ms to 62-81, P/D TTFT of later turns from
     298-315 to 120-130 ms, requests per second +14% to +37% (docs/performance.md, "Multi-turn chat: where a
     P/D turn's time goes"). Where this vLLM has the flag; ``--vllm-arg=--async-scheduling`` (later on the
     command line) turns it back on.
