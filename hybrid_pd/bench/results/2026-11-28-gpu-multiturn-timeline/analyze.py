@@ -1,5 +1,6 @@
 """What the multi-turn timeline run recorded (run.sh): per run, the client's figures, the decode pair's hand-off budget per
-turn (the timeline), and each server's means from vLLM's own histograms over the run (its /metrics before and after).
+turn (the timeline), and each server's means from vLLM's own histograms over the run (its /metrics before and after);
+then each ``vllm bench serve`` point (BENCH in run.sh), as vLLM's client reported it.
 
     python3 analyze.py DIR [--json OUT]
 """
@@ -73,6 +74,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(format_budget(b))
                 entry["budgets"][b.group] = b.to_json()
         report[run] = entry
+    for path in sorted((args.dir / "bench").glob("*.json")):  # vllm bench serve's results (BENCH in run.sh)
+        b = json.loads(path.read_text())
+        figures = {k: b.get(k) for k in ("completed", "request_throughput", "output_throughput", "request_goodput", "median_ttft_ms", "mean_ttft_ms",
+                                          "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "median_itl_ms")}  # fmt: skip
+        print(f"== bench {path.stem}: " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in figures.items()))
+        report[f"bench {path.stem}"] = figures
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
     return 0

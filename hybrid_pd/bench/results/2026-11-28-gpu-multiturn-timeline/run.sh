@@ -10,6 +10,12 @@
 # hit), then the dedicated pair at 1 at once; every server's /metrics read before and after each run (run1/).
 # Run 2 (run2-prefill-sync/): SERVERS, PAIRS, RUNS and PROBE=1 as in docs/performance.md ("Multi-turn chat: where a P/D
 # turn's time goes"): a second prefill worker with --no-async-scheduling, both prefill workers feeding the same decode worker.
+# Next (not run yet): the synchronous prefill on single-turn traffic with vLLM's client, against the asynchronous one and a
+# colocated server, prefix caching off (tried on CPU only):
+#   CACHING=off MAX_MODEL_LEN=9216 KV_GIB=14 RUNS="" SERVERS="pre:prefill:0:8100:5600 preasync:prefill:0:8104:5604:--vllm-arg=--async-scheduling
+#   dec:decode:1:8101:5601 col0:colocated:1:8105:5605" PAIRS="ded:8110:8100:8101 async:8112:8104:8101"
+#   BENCH="ded:1000:512:64:256 async:1000:512:64:256 ded:1000:32:1:32 async:1000:32:1:32 col0:1000:32:1:32 ded:8000:32:1:32
+#   async:8000:32:1:32 col0:8000:32:1:32 asyncb:1000:512:64:256 dedb:1000:512:64:256" bash .../run.sh start
 # Device time with the kit (lease figures): run 1 ~465 s, run 2 ~460 s (../2026-11-28-gpu-prefix-hit-cost between them ~535 s).
 # Calls (the machine goes cold ~30 s after a call: never leave a gap):
 #   call 3: bash .gpu/c3/unpack.sh --all .gpu/c3/c3.tar.xz || exit; source .gpu/c3/env.sh; bash hybrid_pd/bench/results/2026-11-28-gpu-multiturn-timeline/run.sh start
@@ -21,7 +27,8 @@ DIR=${DIR:-/tmp/mt-timeline}
 M=${MODEL:-/tmp/full/nemotron_h}
 NAME=nemotron-h-8b
 DEVICE=${DEVICE:-cuda} SYSTEM_TOKENS=${SYSTEM_TOKENS:-2000}  # DEVICE=cpu MODEL=<tiny model dir> SERVERS=... RUNS=...: a smoke run of this script on CPU
-RUNS=${RUNS:-"ded:8:32: flex:8:32: ded:8:32:salted flex:8:32:salted ded:1:8: ded:16:32: flex:16:32: dedb:8:32:"}  # pair:at once:conversations:salted
+RUNS=${RUNS-"ded:8:32: flex:8:32: ded:8:32:salted flex:8:32:salted ded:1:8: ded:16:32: flex:16:32: dedb:8:32:"}  # pair:at once:conversations:salted
+BENCH=${BENCH:-}  # after RUNS, vllm bench serve: target:input len:output len:at once:prompts, target a pair (its router) or a server
 export PYTHONPATH=$PWD:${PYTHONPATH:-/tmp/site} PYTHONUNBUFFERED=1 UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y
 if [ -n "${PROBE:-}" ]; then  # PROBE=1: every process times vLLM's scheduler and model runner per call (../2026-11-27-h100-handoff-probe)
   export PYTHONPATH=$HERE/../2026-11-27-h100-handoff-probe/probe:$PYTHONPATH HANDOFF_PROBE_DIR=$DIR/probe
@@ -29,8 +36,10 @@ if [ -n "${PROBE:-}" ]; then  # PROBE=1: every process times vLLM's scheduler an
 fi
 T0=$(date +%s)
 log() { echo "[$(($(date +%s) - T0))s] $*"; }
-COMMON=(--model $M --served-model-name $NAME --device $DEVICE --max-model-len 4096 --max-num-seqs 128 --vllm-arg=--enable-prefix-caching)
-[ $DEVICE = cuda ] && COMMON+=(--gpu-memory-utilization 0.45 --kv-cache-memory-bytes 8589934592)
+CACHING=${CACHING:-on}  # CACHING=off: every server with prefix caching off (single-turn traffic, BENCH)
+COMMON=(--model $M --served-model-name $NAME --device $DEVICE --max-model-len ${MAX_MODEL_LEN:-4096} --max-num-seqs 128)
+[ $CACHING = on ] && COMMON+=(--vllm-arg=--enable-prefix-caching) || COMMON+=(--vllm-arg=--no-enable-prefix-caching)
+[ $DEVICE = cuda ] && COMMON+=(--gpu-memory-utilization ${GPU_MEM:-0.45} --kv-cache-memory-bytes $((${KV_GIB:-8} << 30)))
 # name role gpu port side-channel-port extra...
 SERVERS=${SERVERS:-"pre:prefill:0:8100:5600 dec:decode:1:8101:5601 flex0:flex:0:8102:5602 flex1:flex:1:8103:5603"}  # name:role:gpu:port:side channel[:extra flag]
 PAIRS=${PAIRS:-"ded:8110:8100:8101 flex:8111:8102:8103"}  # router name:port:prefill port:decode port
@@ -68,11 +77,26 @@ measure() { # the runs, one after the other (detached)
     log "$name rc $? $(tail -1 $DIR/mt/$name.log)"
     snapshot $name after
   done
+  local b target in out conc num port s file
+  for b in $BENCH; do  # vLLM's own client; the same seed for every target of a point: the same prompts
+    IFS=: read -r target in out conc num <<< "$b"
+    port=
+    for p in $PAIRS; do IFS=: read -r name rport _ _ <<< "$p"; [ "$name" = "${target%b}" ] && port=$rport; done
+    for s in $SERVERS; do IFS=: read -r name _ _ rport _ <<< "$s"; [ "$name" = "$target" ] && port=$rport; done
+    file=$target-$in-$out-c$conc
+    snapshot bench-$file before
+    python3 $HERE/vllm_bench.py --backend openai --base-url http://127.0.0.1:$port --endpoint /v1/completions \
+      --model $NAME --tokenizer $M --dataset-name random --random-input-len $in --random-output-len $out --ignore-eos \
+      --max-concurrency $conc --num-prompts $num --seed $((in + out + conc)) --goodput ttft:500 tpot:20 \
+      --percentile-metrics ttft,tpot,itl,e2el --save-result --result-dir $DIR/bench --result-filename $file.json > $DIR/bench/$file.log 2>&1
+    log "bench $file rc $? $(grep -E 'Request throughput|Median TTFT|Mean TPOT' $DIR/bench/$file.log | tr -s ' ' | tr '\n' ';')"
+    snapshot bench-$file after
+  done
 }
 running() { [ -f $DIR/measure.pid ] && kill -0 "$(cat $DIR/measure.pid)" 2>/dev/null; }
 case $STAGE in
 start)
-  mkdir -p $DIR/logs $DIR/metrics $DIR/mt $DIR/timeline
+  mkdir -p $DIR/logs $DIR/metrics $DIR/mt $DIR/timeline $DIR/bench
   nvidia-smi -L > $DIR/gpus.txt
   python3 -c "import vllm, torch, nixl; print('vllm', vllm.__version__, 'torch', torch.__version__)" > $DIR/versions.txt 2>&1
   git -C $PWD rev-parse HEAD > $DIR/commit.txt 2>/dev/null
@@ -83,7 +107,7 @@ start)
   for s in $SERVERS; do
     IFS=: read -r name role gpu port sc flag <<< "$s"
     extra=(${flag:+$flag})
-    [ $role != flex ] && extra+=(--timeline-dir $DIR/timeline)
+    [ $role = prefill ] || [ $role = decode ] && extra+=(--timeline-dir $DIR/timeline)
     serve $name $role $gpu $port $sc "${extra[@]}"
   done
   ready $(for s in $SERVERS; do echo $s | cut -d: -f4; done) || { tail -30 $DIR/logs/*.log; exit 1; }
@@ -104,7 +128,7 @@ start)
       --user-tokens 100-300 --output-tokens 100 --vocab 512 --concurrency 2 --tag warmup$port --seed 99 >> $DIR/warmup.log 2>&1
   done
   log "warm: $(grep -c requests $DIR/warmup.log) runs"
-  export -f measure snapshot log; export DIR RUNS SERVERS PAIRS NAME T0 SYSTEM_TOKENS
+  export -f measure snapshot log; export DIR RUNS BENCH SERVERS PAIRS NAME T0 SYSTEM_TOKENS M HERE
   setsid nohup bash -c measure >> $DIR/measure.out 2>&1 < /dev/null &
   echo $! > $DIR/measure.pid
   bash "$0" wait $((520 - ($(date +%s) - T0)))
