@@ -1,6 +1,6 @@
 """Reading vLLM's Prometheus text."""
 
-from hybrid_pd.common.prom import cache_block_size, metric_label, metric_sum, prefix_hit_tokens
+from hybrid_pd.common.prom import cache_block_size, histogram_mean, metric_label, metric_sum, prefix_hit_tokens
 
 TEXT = """# HELP vllm:num_requests_running Number of requests
 vllm:num_requests_running{engine="0",model_name="m"} 2.0
@@ -13,6 +13,15 @@ vllm:cache_config_info{block_size="128",cache_dtype="auto"} 1.0
 def test_sum_over_label_sets_only_of_that_name():
     assert metric_sum(TEXT, "vllm:num_requests_running") == 3.0
     assert metric_sum(TEXT, "vllm:missing") == 0.0
+
+
+def test_histogram_mean_between_two_scrapes_over_label_sets_and_none_without_observations():
+    def scrape(total: float, count: int) -> str:
+        return (f'vllm:ttft_seconds_sum{{engine="0"}} {total / 2}\nvllm:ttft_seconds_sum{{engine="1"}} {total / 2}\n'
+                f'vllm:ttft_seconds_count{{engine="0"}} {count}\nvllm:ttft_seconds_bucket{{le="1.0"}} {count}\n')
+
+    assert histogram_mean(scrape(1.0, 4), scrape(4.0, 10), "vllm:ttft_seconds") == (0.5, 6)
+    assert histogram_mean(scrape(1.0, 4), scrape(1.0, 4), "vllm:ttft_seconds") is None
 
 
 def test_label_of_an_info_metric():

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["cache_block_size", "metric_label", "metric_sum", "prefix_hit_tokens"]
+__all__ = ["cache_block_size", "histogram_mean", "metric_label", "metric_sum", "prefix_hit_tokens"]
 
 
 def metric_sum(text: str, name: str) -> float:
     """Sum of every sample of ``name`` (all label sets) in a Prometheus text exposition."""
     return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+def histogram_mean(before: str, after: str, name: str) -> tuple[float, float] | None:
+    """The mean and count of histogram ``name``'s observations between two scrapes; None when it observed none."""
+    count = metric_sum(after, f"{name}_count") - metric_sum(before, f"{name}_count")
+    return ((metric_sum(after, f"{name}_sum") - metric_sum(before, f"{name}_sum")) / count, count) if count else None
 
 
 def metric_label(text: str, name: str, label: str) -> str | None:

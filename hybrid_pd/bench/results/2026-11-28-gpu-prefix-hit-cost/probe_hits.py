@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from hybrid_pd.common.prom import metric_sum
+from hybrid_pd.common.prom import histogram_mean, metric_sum
 
 HISTOGRAMS = ("vllm:request_prefill_time_seconds", "vllm:request_queue_time_seconds", "vllm:time_to_first_token_seconds")
 
@@ -29,8 +29,8 @@ HISTOGRAMS = ("vllm:request_prefill_time_seconds", "vllm:request_queue_time_seco
 def means(before: str, after: str) -> dict[str, float | None]:
     out: dict[str, float | None] = {}
     for name in HISTOGRAMS:
-        n = metric_sum(after, f"{name}_count") - metric_sum(before, f"{name}_count")
-        out[name.removeprefix("vllm:").removesuffix("_seconds") + "_ms"] = (metric_sum(after, f"{name}_sum") - metric_sum(before, f"{name}_sum")) / n * 1e3 if n else None
+        observed = histogram_mean(before, after, name)
+        out[name.removeprefix("vllm:").removesuffix("_seconds") + "_ms"] = observed[0] * 1e3 if observed else None
     out["hit_tokens"] = metric_sum(after, "vllm:prefix_cache_hits_total") - metric_sum(before, "vllm:prefix_cache_hits_total")
     return out
 
