@@ -10,6 +10,7 @@ it: a run starts from a clean engine and caches nothing.
 from __future__ import annotations
 
 import http.server
+import json
 import logging
 import os
 import resource
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hybrid_pd.common.processes import free_port
+from hybrid_pd.common.prom import metric_sum
 from tests.deploy_compose import ROOT
 
 __all__ = ["Compose", "Engine", "HealthDriver", "Inputs", "Rlimits", "install_engine", "make_inputs", "timed"]
@@ -295,3 +297,26 @@ class Compose:
         """``up --wait``: Compose starts the router once both workers are healthy, and returns once it is too."""
         with HealthDriver(self.engine, self.PROJECT):
             self("up", "--detach", "--no-build", "--wait", f"--wait-timeout={timeout_s}", timeout_s=timeout_s + 60)
+
+
+def container(stack: Compose, service: str) -> str:
+    (name,) = stack("ps", "--format", "{{.Name}}", service).split()
+    return name
+
+
+def in_container(stack: Compose, service: str, path: str, body: dict | None = None) -> str:
+    """GET (or POST ``body`` to) ``path`` on the service's own port, from inside its container: no worker port is published."""
+    port = {"prefill-cpu": 8100, "decode-cpu": 8200}[service]
+    script = (
+        "import sys, urllib.request\n"
+        "data = sys.argv[2].encode() if len(sys.argv) > 2 else None\n"
+        "req = urllib.request.Request(sys.argv[1], data, {'Content-Type': 'application/json'})\n"
+        "print(urllib.request.urlopen(req, timeout=120).read().decode())\n"
+    )
+    args = [f"http://127.0.0.1:{port}{path}", *([json.dumps(body)] if body is not None else [])]
+    return stack.engine.podman("exec", container(stack, service), "python", "-c", script, *args)
+
+
+def nixl_reads(stack: Compose) -> float:
+    """The decode worker's NIXL reads so far (vLLM's transfer histogram's count)."""
+    return metric_sum(in_container(stack, "decode-cpu", "/metrics"), "vllm:nixl_xfer_time_seconds_count")

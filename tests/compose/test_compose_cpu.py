@@ -14,7 +14,7 @@ import json
 import httpx
 
 from hybrid_pd.common.prom import metric_sum
-from tests.compose.sandbox_support import MODEL, Compose
+from tests.compose.sandbox_support import MODEL, Compose, container, in_container, nixl_reads
 
 # A problem the embedded model solves (README's example): greedy, so every server must say the same.
 COMPLETION = {
@@ -25,28 +25,6 @@ COMPLETION = {
     "stop": ["Question:"],
 }
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Tom has 12 apples. He eats 5 apples. How many apples does Tom have now?"}], "max_tokens": 32, "temperature": 0}
-
-
-def container(stack: Compose, service: str) -> str:
-    (name,) = stack("ps", "--format", "{{.Name}}", service).split()
-    return name
-
-
-def in_container(stack: Compose, service: str, path: str, body: dict | None = None) -> str:
-    """GET (or POST ``body`` to) ``path`` on the service's own port, from inside its container: no worker port is published."""
-    port = {"prefill-cpu": 8100, "decode-cpu": 8200}[service]
-    script = (
-        "import sys, urllib.request\n"
-        "data = sys.argv[2].encode() if len(sys.argv) > 2 else None\n"
-        "req = urllib.request.Request(sys.argv[1], data, {'Content-Type': 'application/json'})\n"
-        "print(urllib.request.urlopen(req, timeout=120).read().decode())\n"
-    )
-    args = [f"http://127.0.0.1:{port}{path}", *([json.dumps(body)] if body is not None else [])]
-    return stack.engine.podman("exec", container(stack, service), "python", "-c", script, *args)
-
-
-def nixl_reads(stack: Compose) -> float:
-    return metric_sum(in_container(stack, "decode-cpu", "/metrics"), "vllm:nixl_xfer_time_seconds_count")
 
 
 def why_not_pulled(stack: Compose, router: httpx.Client) -> str:
