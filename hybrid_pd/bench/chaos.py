@@ -85,6 +85,7 @@ async def checked_load(router: str, model: str, expected: dict[str, list[int]], 
 
     async def one(client: httpx.AsyncClient, i: int) -> None:
         prompt, stream = prompts[i % len(prompts)], i % 2 == 0
+        kind = "stream" if stream else "whole"
         body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True,
                 "ignore_eos": True, "stream": stream}  # fmt: skip
         async with gate:
@@ -92,13 +93,13 @@ async def checked_load(router: str, model: str, expected: dict[str, list[int]], 
                 r = await client.post("/v1/completions", json=body)
             except httpx.HTTPError as exc:
                 counts["unclean"] += 1
-                why.append(f"{'stream' if stream else 'whole'}: {type(exc).__name__}: {exc}")
+                why.append(f"{kind}: {type(exc).__name__}: {exc}")
                 answered(counts.total())
                 return
         outcome = _outcome(r, stream, expected[prompt])
         counts[outcome] += 1
         if outcome == "unclean":
-            why.append(f"{'stream' if stream else 'whole'}: HTTP {r.status_code}, {len(r.content)} bytes ending {r.text[-200:]!r}")
+            why.append(f"{kind}: HTTP {r.status_code}, {len(r.content)} bytes ending {r.text[-200:]!r}")
         answered(counts.total())
 
     async with httpx.AsyncClient(base_url=router, timeout=300) as client:

@@ -19,11 +19,9 @@ import pytest
 from hybrid_pd.common.processes import free_port
 from hybrid_pd.router.health import wait_routed
 from tests.compose.sandbox_support import MODEL, Compose, Engine, Rlimits, make_inputs, nixl_reads, timed
-from tests.e2e.support import settled
+from tests.e2e.support import until_pulled
 
 log = logging.getLogger("compose-ci")
-
-HANDSHAKE_TRIES = 3
 
 
 @pytest.fixture(scope="session")
@@ -88,12 +86,10 @@ def router(stack: Compose) -> Iterator[httpx.Client]:
         assert wait_routed(url, workers, 60), f"the router does not route to both workers: {client.get('/health').json()}"
         # The decode worker's first NIXL handshake, before the tests count transfers: why in
         # tests/e2e/support.py's make_handshakes (the workers' ports are not published here). CI's
-        # host once ran out vLLM's 5 s reply wait twice in a row (stop 43), so a warm-up is tried
-        # again until one pulls.
-        for _ in range(HANDSHAKE_TRIES):
-            reads = nixl_reads(stack)
+        # host once ran out vLLM's 5 s reply wait twice in a row (stop 43), so it is tried until one pulls.
+        def warm_up() -> None:
             warm = client.post("/v1/completions", json={"model": MODEL, "prompt": "warm up the handshake", "max_tokens": 4})
             assert warm.status_code == 200, warm.text
-            if settled(lambda: nixl_reads(stack)) > reads:
-                break
+
+        until_pulled(warm_up, lambda: nixl_reads(stack))
         yield client

@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from hybrid_pd.bench.gpu.model_matrix import XFERS
 from hybrid_pd.common.processes import free_port
 from hybrid_pd.common.prom import metric_sum
 from tests.deploy_compose import ROOT
@@ -319,4 +320,4 @@ def in_container(stack: Compose, service: str, path: str, body: dict | None = No
 
 def nixl_reads(stack: Compose) -> float:
     """The decode worker's NIXL reads so far (vLLM's transfer histogram's count)."""
-    return metric_sum(in_container(stack, "decode-cpu", "/metrics"), "vllm:nixl_xfer_time_seconds_count")
+    return metric_sum(in_container(stack, "decode-cpu", "/metrics"), XFERS)

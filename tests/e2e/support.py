@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 
-from hybrid_pd.bench.gpu.model_matrix import FAILED
+from hybrid_pd.bench.gpu.model_matrix import XFERS
 from hybrid_pd.common.prom import metric_sum
 from hybrid_pd.router.legs import decode_body, prefill_body
 from hybrid_pd.stack import Stack
@@ -67,10 +68,22 @@ def make_handshakes(stack: Stack, tries: int = 3) -> None:
     for prefill in stack.workers("prefill"):
         for decode in stack.workers("decode"):
             with httpx.Client(base_url=decode.url, timeout=120) as client:
-                for _ in range(tries):
-                    failed = metric(client, FAILED)
+
+                def split() -> None:  # called at once, on this pair
                     prefilled = httpx.post(prefill.url + "/v1/completions", json=prefill_body(body), timeout=120)
                     prefilled.raise_for_status()
                     client.post("/v1/completions", json=decode_body(body, prefilled.json()["kv_transfer_params"])).raise_for_status()
-                    if settled(lambda: metric(client, FAILED)) == failed:
-                        break
+
+                until_pulled(split, lambda: metric(client, XFERS), tries)
+
+
+def until_pulled(attempt: Callable[[], None], reads: Callable[[], float], tries: int = 3) -> None:
+    """Run ``attempt``, a split request, until the decode worker's NIXL reads (``reads()``) went up; ``tries`` times at most.
+
+    Why the first can fall short: :func:`make_handshakes`. Here and in the compose test's warm-up.
+    """
+    for _ in range(tries):
+        before = reads()
+        attempt()
+        if settled(reads) > before:
+            return
