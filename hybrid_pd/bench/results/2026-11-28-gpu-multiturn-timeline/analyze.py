@@ -1,6 +1,6 @@
 """What the multi-turn timeline run recorded (run.sh): per run, the client's figures, the decode pair's hand-off budget per
 turn (the timeline), and each server's means from vLLM's own histograms over the run (its /metrics before and after);
-then each ``vllm bench serve`` point (BENCH in run.sh), as vLLM's client reported it.
+then each ``vllm bench serve`` point (BENCH in run.sh), as vLLM's client reported it, with a pair's hand-off budget.
 
     python3 analyze.py DIR [--json OUT]
 """
@@ -78,6 +78,10 @@ def main(argv: list[str] | None = None) -> int:
                                           "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "median_itl_ms")}  # fmt: skip
         print(f"== bench {path.stem}: " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in figures.items()))
         report[f"bench {path.stem}"] = figures
+        if (args.dir / "timeline").is_dir():  # a pair's point: its requests' hand-off budget (run.sh's --request-id-prefix)
+            for b in budgets(args.dir / "timeline", f"{path.stem}-"):
+                print(format_budget(b))
+                figures["budget"] = b.to_json(requests=False)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
     return 0

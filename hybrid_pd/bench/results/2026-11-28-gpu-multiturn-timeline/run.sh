@@ -10,12 +10,17 @@
 # hit), then the dedicated pair at 1 at once; every server's /metrics read before and after each run (run1/).
 # Run 2 (run2-prefill-sync/): SERVERS, PAIRS, RUNS and PROBE=1 as in docs/performance.md ("Multi-turn chat: where a P/D
 # turn's time goes"): a second prefill worker with --no-async-scheduling, both prefill workers feeding the same decode worker.
-# Next (not run yet): the synchronous prefill on single-turn traffic with vLLM's client, against the asynchronous one and a
-# colocated server, prefix caching off (tried on CPU only):
-#   CACHING=off MAX_MODEL_LEN=9216 KV_GIB=14 RUNS="" SERVERS="pre:prefill:0:8100:5600 preasync:prefill:0:8104:5604:--vllm-arg=--async-scheduling
-#   dec:decode:1:8101:5601 col0:colocated:1:8105:5605" PAIRS="ded:8110:8100:8101 async:8112:8104:8101"
-#   BENCH="ded:1000:512:64:256 async:1000:512:64:256 ded:1000:32:1:32 async:1000:32:1:32 col0:1000:32:1:32 ded:8000:32:1:32
-#   async:8000:32:1:32 col0:8000:32:1:32 asyncb:1000:512:64:256 dedb:1000:512:64:256" bash .../run.sh start
+# Run 3 (run3-single-turn/): the synchronous prefill on single-turn traffic with vLLM's client, prefix caching off, against
+# the asynchronous prefill behind the same decode worker, two colocated replicas on the same GPUs (the project's standing
+# check) and a colocated server alone at 1 in flight (issue #35's TTFT target); a second decode worker with vLLM's own
+# detokenizer priming (--skip-engine-fix detok_suffix) behind the synchronous prefill, the detok_suffix cut side by side:
+#   CACHING=off MAX_MODEL_LEN=9216 KV_GIB=14 GPU_MEM=0.3 RUNS="" SERVERS="pre:prefill:0:8100:5600
+#   preasync:prefill:0:8104:5604:--vllm-arg=--async-scheduling col1:colocated:0:8107:5607 dec:decode:1:8101:5601
+#   col0:colocated:1:8105:5605 decskip:decode:1:8106:5606:--skip-engine-fix=detok_suffix"
+#   PAIRS="ded:8110:8100:8101 async:8112:8104:8101 skip:8113:8100:8106" REPLICAS="rep:8114:8105,8107"
+#   BENCH="ded:1000:512:64:256 async:1000:512:64:256 rep:1000:512:64:256 ded:1000:32:1:32 async:1000:32:1:32 col0:1000:32:1:32
+#   skip:1000:32:1:32 ded:8000:32:1:32 async:8000:32:1:32 col0:8000:32:1:32 skip:8000:32:1:32 repb:1000:512:64:256
+#   asyncb:1000:512:64:256 dedb:1000:512:64:256" bash .../run.sh start
 # Device time with the kit (lease figures): run 1 ~465 s, run 2 ~460 s (../2026-11-28-gpu-prefix-hit-cost between them ~535 s).
 # Calls (the machine goes cold ~30 s after a call: never leave a gap):
 #   call 3: bash .gpu/c3/unpack.sh --all .gpu/c3/c3.tar.xz || exit; source .gpu/c3/env.sh; bash hybrid_pd/bench/results/2026-11-28-gpu-multiturn-timeline/run.sh start
@@ -28,7 +33,8 @@ M=${MODEL:-/tmp/full/nemotron_h}
 NAME=nemotron-h-8b
 DEVICE=${DEVICE:-cuda} SYSTEM_TOKENS=${SYSTEM_TOKENS:-2000}  # DEVICE=cpu MODEL=<tiny model dir> SERVERS=... RUNS=...: a smoke run of this script on CPU
 RUNS=${RUNS-"ded:8:32: flex:8:32: ded:8:32:salted flex:8:32:salted ded:1:8: ded:16:32: flex:16:32: dedb:8:32:"}  # pair:at once:conversations:salted
-BENCH=${BENCH:-}  # after RUNS, vllm bench serve: target:input len:output len:at once:prompts, target a pair (its router) or a server
+BENCH=${BENCH:-}  # after RUNS, vllm bench serve: target:input len:output len:at once:prompts, target a pair or replicas (its router) or a server
+REPLICAS=${REPLICAS:-}  # name:port:server port,server port...: a router over colocated servers, whole requests (a BENCH target)
 export PYTHONPATH=$PWD:${PYTHONPATH:-/tmp/site} PYTHONUNBUFFERED=1 UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y
 if [ -n "${PROBE:-}" ]; then  # PROBE=1: every process times vLLM's scheduler and model runner per call (../2026-11-27-h100-handoff-probe)
   export PYTHONPATH=$HERE/../2026-11-27-h100-handoff-probe/probe:$PYTHONPATH HANDOFF_PROBE_DIR=$DIR/probe
@@ -81,14 +87,15 @@ measure() { # the runs, one after the other (detached)
   for b in $BENCH; do  # vLLM's own client; the same seed for every target of a point: the same prompts
     IFS=: read -r target in out conc num <<< "$b"
     port=
-    for p in $PAIRS; do IFS=: read -r name rport _ _ <<< "$p"; [ "$name" = "${target%b}" ] && port=$rport; done
+    for p in $PAIRS $REPLICAS; do IFS=: read -r name rport _ <<< "$p"; [ "$name" = "${target%b}" ] && port=$rport; done
     for s in $SERVERS; do IFS=: read -r name _ _ rport _ <<< "$s"; [ "$name" = "$target" ] && port=$rport; done
     file=$target-$in-$out-c$conc
     snapshot bench-$file before
     python3 $HERE/vllm_bench.py --backend openai --base-url http://127.0.0.1:$port --endpoint /v1/completions \
       --model $NAME --tokenizer $M --dataset-name random --random-input-len $in --random-output-len $out --ignore-eos \
       --max-concurrency $conc --num-prompts $num --seed $((in + out + conc)) --goodput ttft:500 tpot:20 \
-      --percentile-metrics ttft,tpot,itl,e2el --save-result --result-dir $DIR/bench --result-filename $file.json > $DIR/bench/$file.log 2>&1
+      --percentile-metrics ttft,tpot,itl,e2el --request-id-prefix $file- --save-result --result-dir $DIR/bench --result-filename $file.json \
+      > $DIR/bench/$file.log 2>&1  # the id prefix: the routers' timelines group each point's requests
     log "bench $file rc $? $(grep -E 'Request throughput|Median TTFT|Mean TPOT' $DIR/bench/$file.log | tr -s ' ' | tr '\n' ';')"
     snapshot bench-$file after
   done
@@ -121,6 +128,12 @@ start)
       --decode-policy prefix_reuse --prefill-policy prefix_reuse --timeline-dir $DIR/timeline > $DIR/logs/router-$name.log 2>&1 < /dev/null &
     echo $! > $DIR/pid-router-$name; routers+=($rport)
   done
+  for r in $REPLICAS; do  # a router over colocated servers: every request whole on one of them
+    IFS=: read -r name rport ports <<< "$r"
+    setsid python3 -m hybrid_pd.cli router --port $rport $(for p in ${ports//,/ }; do echo --decode http://127.0.0.1:$p; done) \
+      > $DIR/logs/router-$name.log 2>&1 < /dev/null &
+    echo $! > $DIR/pid-router-$name; routers+=($rport)
+  done
   ready "${routers[@]}" || exit 1
   for port in "${routers[@]}"; do  # the first conversations after start compile and capture: not measured
     url=http://127.0.0.1:$port
@@ -128,7 +141,7 @@ start)
       --user-tokens 100-300 --output-tokens 100 --vocab 512 --concurrency 2 --tag warmup$port --seed 99 >> $DIR/warmup.log 2>&1
   done
   log "warm: $(grep -c requests $DIR/warmup.log) runs"
-  export -f measure snapshot log; export DIR RUNS BENCH SERVERS PAIRS NAME T0 SYSTEM_TOKENS M HERE
+  export -f measure snapshot log; export DIR RUNS BENCH SERVERS PAIRS REPLICAS NAME T0 SYSTEM_TOKENS M HERE
   setsid nohup bash -c measure >> $DIR/measure.out 2>&1 < /dev/null &
   echo $! > $DIR/measure.pid
   bash "$0" wait $((520 - ($(date +%s) - T0)))
