@@ -14,13 +14,7 @@
 # the asynchronous prefill behind the same decode worker, two colocated replicas on the same GPUs (the project's standing
 # check) and a colocated server alone at 1 in flight (issue #35's TTFT target); a second decode worker with vLLM's own
 # detokenizer priming (--skip-engine-fix detok_suffix) behind the synchronous prefill, the detok_suffix cut side by side:
-#   CACHING=off MAX_MODEL_LEN=9216 KV_GIB=14 GPU_MEM=0.3 RUNS="" SERVERS="pre:prefill:0:8100:5600
-#   preasync:prefill:0:8104:5604:--vllm-arg=--async-scheduling col1:colocated:0:8107:5607 dec:decode:1:8101:5601
-#   col0:colocated:1:8105:5605 decskip:decode:1:8106:5606:--skip-engine-fix=detok_suffix"
-#   PAIRS="ded:8110:8100:8101 async:8112:8104:8101 skip:8113:8100:8106" REPLICAS="rep:8114:8105,8107"
-#   BENCH="ded:1000:512:64:256 async:1000:512:64:256 rep:1000:512:64:256 ded:1000:32:1:32 async:1000:32:1:32 col0:1000:32:1:32
-#   skip:1000:32:1:32 ded:8000:32:1:32 async:8000:32:1:32 col0:8000:32:1:32 skip:8000:32:1:32 repb:1000:512:64:256
-#   asyncb:1000:512:64:256 dedb:1000:512:64:256" bash .../run.sh start
+#   set -a; source hybrid_pd/bench/results/2026-11-28-gpu-multiturn-timeline/run3.env; set +a; bash .../run.sh start
 # Device time with the kit (lease figures): run 1 ~465 s, run 2 ~460 s (../2026-11-28-gpu-prefix-hit-cost between them ~535 s).
 # Calls (the machine goes cold ~30 s after a call: never leave a gap):
 #   call 3: bash .gpu/c3/unpack.sh --all .gpu/c3/c3.tar.xz || exit; source .gpu/c3/env.sh; bash hybrid_pd/bench/results/2026-11-28-gpu-multiturn-timeline/run.sh start
