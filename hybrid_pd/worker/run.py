@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import os
 import signal
 import socket
 import subprocess
@@ -29,10 +30,12 @@ from hybrid_pd.common.processes import (
     stop_group,
 )
 from hybrid_pd.connector.compat import IncompatibleWorkers
+from hybrid_pd.connector.contract import ENGINE_FIXES_ENV
 from hybrid_pd.connector.identity import worker_identity
 from hybrid_pd.connector.launch import Role, WorkerSpec, build_launch, dtype
 from hybrid_pd.connector.model_check import check_model
 from hybrid_pd.connector.vllm.capabilities import checked
+from hybrid_pd.connector.vllm.plugin_registration import plugin_path
 from hybrid_pd.worker.registration import RouterLink, cache_facts, running_requests
 from hybrid_pd.worker.settings import WorkerSettings
 from hybrid_pd.worker.stacks import dump_stacks
@@ -124,6 +127,16 @@ def with_capabilities(spec: WorkerSpec, decode_row_fix: str) -> WorkerSpec | Non
     return dataclasses.replace(spec, capabilities=tuple(report.states().items()))
 
 
+def with_plugin(env: dict[str, str]) -> dict[str, str]:
+    """``env`` for a vLLM server that loads our plugin where the launch names engine fixes, installed or not
+    (:mod:`hybrid_pd.connector.vllm.plugin_registration`)."""
+    if ENGINE_FIXES_ENV not in env or (path := plugin_path(dict(os.environ))) is None:
+        return env
+    log.warning("hybrid-pd is not installed here: its vLLM plugin (engine fixes %s) is registered for this server through PYTHONPATH=%s",
+                env[ENGINE_FIXES_ENV], path)  # fmt: skip
+    return {**env, "PYTHONPATH": path}
+
+
 def run_worker(role: Role, settings: WorkerSettings) -> int:
     """Run one vLLM server for ``role`` until it fails or we are told to stop; return the exit code."""
     spec = settings.spec(role)
@@ -142,7 +155,7 @@ def run_worker(role: Role, settings: WorkerSettings) -> int:
     log.info("vLLM command: %s", " ".join(launch.argv))
     for reason in launch.reasons:
         log.info("%s", reason)
-    proc = spawn(launch.argv, launch.env, log=subprocess.PIPE)
+    proc = spawn(launch.argv, with_plugin(launch.env), log=subprocess.PIPE)
     relay = OutputRelay(proc.stdout)
 
     stopping = threading.Event()

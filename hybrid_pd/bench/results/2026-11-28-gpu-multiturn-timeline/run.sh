@@ -53,6 +53,7 @@ ready() {
   for p in "$@"; do
     until curl -sf 127.0.0.1:$p/health > /dev/null; do
       [ $(($(date +%s) - T0)) -gt 480 ] && { log "port $p not ready"; return 1; }
+      for f in $DIR/pid-*; do kill -0 "$(cat $f)" 2>/dev/null || { log "${f##*/pid-} exited"; return 1; }; done  # not 8 minutes for a dead one
       sleep 3
     done
   done
@@ -111,7 +112,7 @@ start)
     [ $role = prefill ] || [ $role = decode ] && extra+=(--timeline-dir $DIR/timeline)
     serve $name $role $gpu $port $sc "${extra[@]}"
   done
-  ready $(for s in $SERVERS; do echo $s | cut -d: -f4; done) || { tail -30 $DIR/logs/*.log; exit 1; }
+  ready $(for s in $SERVERS; do echo $s | cut -d: -f4; done) || { tail -n 30 $DIR/logs/*.log; exit 1; }
   log "servers ready"
   routers=()
   for p in $PAIRS; do  # a prefix_reuse router per pair of servers started
