@@ -15,7 +15,9 @@
 # check) and a colocated server alone at 1 in flight (issue #35's TTFT target); a second decode worker with vLLM's own
 # detokenizer priming (--skip-engine-fix detok_suffix) behind the synchronous prefill, the detok_suffix cut side by side:
 #   set -a; source hybrid_pd/bench/results/2026-11-28-gpu-multiturn-timeline/run3.env; set +a; bash .../run.sh start
-# Device time with the kit (lease figures): run 1 ~465 s, run 2 ~460 s (../2026-11-28-gpu-prefix-hit-cost between them ~535 s).
+# Device time with the kit (lease figures): run 1 ~465 s, run 2 ~460 s (../2026-11-28-gpu-prefix-hit-cost between them ~535 s),
+# run 3 ~700 s (servers ready in 205 s, the 14 points in ~460 s; its first start lost ~520 s to servers dead of max_model_len).
+# Run 4 (run4.env: the detok_suffix cut, one GPU, with the plugin loading) is prepared, not run.
 # Calls (the machine goes cold ~30 s after a call: never leave a gap):
 #   call 3: bash .gpu/c3/unpack.sh --all .gpu/c3/c3.tar.xz || exit; source .gpu/c3/env.sh; bash hybrid_pd/bench/results/2026-11-28-gpu-multiturn-timeline/run.sh start
 #   call 4: bash /tmp/site/.gpu-payload/unpack.sh --all >/dev/null || exit; source /tmp/site/.gpu-payload/env.sh; bash hybrid_pd/bench/results/2026-11-28-gpu-multiturn-timeline/run.sh wait 500; bash hybrid_pd/bench/results/2026-11-28-gpu-multiturn-timeline/run.sh pack
