@@ -1,4 +1,4 @@
-"""Our vLLM plugin reaches a vLLM server started from a source tree (hybrid_pd.connector.vllm.plugin_registration).
+"""Our vLLM plugin reaches a vLLM server started from a source tree (hybrid_pd.worker.plugin_registration).
 
 On the GPU kit nothing of ours is installed: vLLM found no entry point of ours and no engine fix was ever
 applied there (2026-11-28). These tests fail on the worker that spawned vLLM with the launch's environment as is.
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from hybrid_pd.connector.contract import DETOK_SUFFIX, ENGINE_FIXES_ENV
-from hybrid_pd.connector.vllm import plugin_registration
-from hybrid_pd.connector.vllm.plugin_registration import ENTRY_POINT, GROUP, register_in
+from hybrid_pd.worker import plugin_registration
+from hybrid_pd.worker.plugin_registration import ENTRY_POINT, GROUP, register_in
 from hybrid_pd.worker import run
 
 # What vLLM's plugin loader sees: the entry points of the group, in a Python without site-packages (nothing installed).

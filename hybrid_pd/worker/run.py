@@ -35,7 +35,7 @@ from hybrid_pd.connector.identity import worker_identity
 from hybrid_pd.connector.launch import Role, WorkerSpec, build_launch, dtype
 from hybrid_pd.connector.model_check import check_model
 from hybrid_pd.connector.vllm.capabilities import checked
-from hybrid_pd.connector.vllm.plugin_registration import plugin_path
+from hybrid_pd.worker.plugin_registration import plugin_path
 from hybrid_pd.worker.registration import RouterLink, cache_facts, running_requests
 from hybrid_pd.worker.settings import WorkerSettings
 from hybrid_pd.worker.stacks import dump_stacks
@@ -129,7 +129,7 @@ def with_capabilities(spec: WorkerSpec, decode_row_fix: str) -> WorkerSpec | Non
 
 def with_plugin(env: dict[str, str]) -> dict[str, str]:
     """``env`` for a vLLM server that loads our plugin where the launch names engine fixes, installed or not
-    (:mod:`hybrid_pd.connector.vllm.plugin_registration`)."""
+    (:mod:`hybrid_pd.worker.plugin_registration`)."""
     if ENGINE_FIXES_ENV not in env or (path := plugin_path(dict(os.environ))) is None:
         return env
     log.warning("hybrid-pd is not installed here: its vLLM plugin (engine fixes %s) is registered for this server through PYTHONPATH=%s",

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Our vLLM plugin on the GPU kit (nothing of ours installed; hybrid_pd.connector.vllm.plugin_registration): two colocated
+# Our vLLM plugin on the GPU kit (nothing of ours installed; hybrid_pd.worker.plugin_registration): two colocated
 # servers of the trained tiny model on one GPU, one with the engine fixes (detok_suffix there), one with
 # --skip-engine-fix detok_suffix (vLLM's own detokenizer priming); each server's log says which fix it applied, and the
 # same greedy streams are asked of both (random token-id prompts, every id of the vocabulary possible): their texts must
