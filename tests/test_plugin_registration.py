@@ -14,9 +14,8 @@ from pathlib import Path
 import pytest
 
 from hybrid_pd.connector.contract import DETOK_SUFFIX, ENGINE_FIXES_ENV
-from hybrid_pd.worker import plugin_registration
+from hybrid_pd.worker import plugin_registration, run
 from hybrid_pd.worker.plugin_registration import ENTRY_POINT, GROUP, register_in
-from hybrid_pd.worker import run
 
 # What vLLM's plugin loader sees: the entry points of the group, in a Python without site-packages (nothing installed).
 LIST_PLUGINS = f"from importlib.metadata import entry_points; print(sorted(e.value for e in entry_points(group={GROUP!r})))"
@@ -49,5 +48,5 @@ def test_a_worker_from_a_source_tree_puts_the_plugin_and_the_tree_on_vllms_pytho
     folder, source, before = env["PYTHONPATH"].split(os.pathsep)
     assert (env[ENGINE_FIXES_ENV], env["OTHER"], before) == (DETOK_SUFFIX, "1", "/elsewhere")
     assert Path(source, "hybrid_pd", "connector", "vllm", "plugin.py").is_file()
-    assert plugins_seen(folder, tmp_path) == repr([ENTRY_POINT])
+    assert plugins_seen(folder, tmp_path) == repr(["hybrid_pd.connector.vllm.plugin:load"])  # pyproject.toml's entry point
     assert run.with_plugin({"OTHER": "1"}) == {"OTHER": "1"}  # no fix named: nothing to load

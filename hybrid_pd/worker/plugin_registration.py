@@ -17,12 +17,13 @@ import tempfile
 from pathlib import Path
 
 import hybrid_pd
+from hybrid_pd.connector.vllm import plugin
 
 __all__ = ["ENTRY_POINT", "GROUP", "plugin_path", "register_in", "registered"]
 
-GROUP = "vllm.general_plugins"
+GROUP = "vllm.general_plugins"  # vLLM's (vllm.plugins.DEFAULT_PLUGINS_GROUP), not imported: the worker stays free of vLLM
 NAME = "hybrid_pd"  # the entry point's name, as pyproject.toml declares it
-ENTRY_POINT = "hybrid_pd.connector.vllm.plugin:load"
+ENTRY_POINT = f"{plugin.__name__}:{plugin.load.__name__}"
 DIST = "hybrid_pd_vllm_plugin"  # the folder's distribution: not hybrid-pd, whose metadata it would shadow
 
 
@@ -46,8 +47,8 @@ def register_in(directory: Path) -> Path:
     return directory
 
 
-def plugin_path(environ: dict[str, str]) -> str | None:
-    """The ``PYTHONPATH`` a vLLM server needs to load our plugin, or None where it loads already (installed).
+def plugin_path(pythonpath: str | None) -> str | None:
+    """The ``PYTHONPATH`` (now ``pythonpath``) a vLLM server needs to load our plugin, or None where it loads already (installed).
 
     The folder is one per user, written again at every start (workers share it);
     the source tree follows it so the plugin's module imports in every process vLLM starts.
@@ -56,4 +57,4 @@ def plugin_path(environ: dict[str, str]) -> str | None:
         return None
     directory = register_in(Path(tempfile.gettempdir()) / f"hybrid-pd-vllm-plugin-{os.getuid()}")
     source = Path(hybrid_pd.__file__).resolve().parent.parent
-    return os.pathsep.join(filter(None, [str(directory), str(source), environ.get("PYTHONPATH")]))
+    return os.pathsep.join(filter(None, [str(directory), str(source), pythonpath]))

@@ -130,7 +130,7 @@ def with_capabilities(spec: WorkerSpec, decode_row_fix: str) -> WorkerSpec | Non
 def with_plugin(env: dict[str, str]) -> dict[str, str]:
     """``env`` for a vLLM server that loads our plugin where the launch names engine fixes, installed or not
     (:mod:`hybrid_pd.worker.plugin_registration`)."""
-    if ENGINE_FIXES_ENV not in env or (path := plugin_path(dict(os.environ))) is None:
+    if ENGINE_FIXES_ENV not in env or (path := plugin_path(os.environ.get("PYTHONPATH"))) is None:
         return env
     log.warning("hybrid-pd is not installed here: its vLLM plugin (engine fixes %s) is registered for this server through PYTHONPATH=%s",
                 env[ENGINE_FIXES_ENV], path)  # fmt: skip
