@@ -11,6 +11,7 @@ from hybrid_pd.connector.contract import (
     CPU_PREFIX_CACHING,
     DELAY_ENV,
     DETOK_SUFFIX,
+    IDLE_POLL,
     ENGINE_FIXES_ENV,
     MERGE_ENV,
     SHM_SPIN,
@@ -18,7 +19,7 @@ from hybrid_pd.connector.contract import (
     TIMELINE_SOURCE_ENV,
     TRACE_ENV,
 )
-from hybrid_pd.connector.launch import WorkerSpec, build_launch
+from hybrid_pd.connector.launch import GPU_PULL_AWAIT_US, WorkerSpec, build_launch
 
 
 def _flag(argv, name):
@@ -200,12 +201,15 @@ def test_a_server_of_several_api_processes_takes_no_early_legs(arg):
     assert HANDOFF not in _middlewares(build_launch(_spec("decode", vllm_args=arg)).argv)
 
 
-def test_workers_that_decode_await_their_pulls_only_when_asked():
-    """Off by default: on two H100s at real scale the await (with synchronous decode scheduling) cost every later token (docs/performance.md)."""
+def test_gpu_workers_that_decode_await_their_pulls_by_default_cpu_ones_only_when_asked():
+    """Only in steps that run no model (pull_await.awaits), so no running request waits; on CPU the waiting engine would spin on the model's core."""
+    assert build_launch(_spec("decode", device="cuda")).env[AWAIT_ENV] == str(GPU_PULL_AWAIT_US)
+    assert build_launch(_spec("flex", device="cuda")).env[AWAIT_ENV] == str(GPU_PULL_AWAIT_US)
+    assert AWAIT_ENV not in build_launch(_spec("decode", device="cuda", pull_await_us=0)).env
     assert AWAIT_ENV not in build_launch(_spec("decode")).env
     assert build_launch(_spec("decode", pull_await_us=800)).env[AWAIT_ENV] == "800"
     assert build_launch(_spec("flex", pull_await_us=800)).env[AWAIT_ENV] == "800"
-    assert AWAIT_ENV not in build_launch(_spec("prefill", pull_await_us=800)).env
+    assert AWAIT_ENV not in build_launch(_spec("prefill", device="cuda", pull_await_us=800)).env
 
 
 def test_early_legs_wait_in_vllms_engine_client_unless_the_worker_says_the_server():
@@ -295,7 +299,7 @@ def test_cpu_servers_of_a_mamba2_model_get_our_prefix_caching_fix_and_the_cache_
     assert told.index("--no-enable-prefix-caching") > told.index("--enable-prefix-caching")  # the last one wins in vLLM's parser
     (tmp_path / "config.json").write_text(FAMILIES["qwen3_next"].config().to_json_string())
     assert build_launch(_spec("decode", model=str(tmp_path))).env[ENGINE_FIXES_ENV] == f"{DETOK_SUFFIX},{SHM_SPIN}"  # GDN: not what the fix is for
-    assert build_launch(_spec("decode", model=mamba2, device="cuda")).env[ENGINE_FIXES_ENV] == DETOK_SUFFIX
+    assert build_launch(_spec("decode", model=mamba2, device="cuda")).env[ENGINE_FIXES_ENV] == f"{DETOK_SUFFIX},{IDLE_POLL}"
 
 
 def test_every_cpu_server_spins_sleeping_and_no_gpu_server_does():
@@ -314,7 +318,18 @@ def test_every_server_primes_its_detokenizer_with_the_prompts_last_tokens():
             assert DETOK_SUFFIX in fixes.split(",")
 
 
+def test_gpu_workers_that_decode_poll_an_idle_engine_sooner_and_no_one_else():
+    """idle_poll: the engines that wait for pulls, on GPUs; prefill and colocated servers never wait for one, a CPU engine's core is the model's."""
+    def fixes(role: str, device: str) -> list[str]:
+        return build_launch(_spec(role, device=device, side_channel_port=0 if role == "colocated" else 5600)).env[ENGINE_FIXES_ENV].split(",")
+
+    assert IDLE_POLL in fixes("decode", "cuda") and IDLE_POLL in fixes("flex", "cuda")
+    assert IDLE_POLL not in fixes("prefill", "cuda") and IDLE_POLL not in fixes("colocated", "cuda")
+    assert all(IDLE_POLL not in fixes(role, "cpu") for role in ("prefill", "decode", "flex", "colocated"))
+    assert IDLE_POLL not in build_launch(_spec("decode", device="cuda", skip_engine_fixes=(IDLE_POLL,))).env[ENGINE_FIXES_ENV]
+
+
 def test_a_fix_left_out_is_not_asked_of_the_plugin_and_the_others_still_are():
     """For a measurement against vLLM's own behaviour (--skip-engine-fix), as docs/performance.md's A/Bs need."""
     assert build_launch(_spec("decode", skip_engine_fixes=(SHM_SPIN,))).env[ENGINE_FIXES_ENV] == DETOK_SUFFIX
-    assert ENGINE_FIXES_ENV not in build_launch(_spec("decode", device="cuda", skip_engine_fixes=(DETOK_SUFFIX,))).env
+    assert ENGINE_FIXES_ENV not in build_launch(_spec("prefill", device="cuda", skip_engine_fixes=(DETOK_SUFFIX,))).env

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 
-from hybrid_pd.connector.vllm.pull_await import await_transfers, posted_since
+from hybrid_pd.connector.vllm.pull_await import await_transfers, awaits, posted_since
 
 
 def test_posted_since_names_only_the_handles_this_step_added():
@@ -64,3 +64,11 @@ def test_nothing_posted_returns_at_once():
     nixl = _Nixl({})
     assert await_transfers([], nixl.state_of, budget_s=1.0) is True
     assert nixl.calls == []
+
+
+def test_only_a_step_that_runs_no_model_waits_and_only_with_a_budget():
+    """A step that runs the model is one every running request waits for: waiting there cost TPOT at real scale (docs/connector.md)."""
+    assert awaits(2e-3, scheduled_tokens=0) is True
+    assert awaits(2e-3, scheduled_tokens=1) is False
+    assert awaits(2e-3, scheduled_tokens=64) is False
+    assert awaits(0.0, scheduled_tokens=0) is False

@@ -23,6 +23,7 @@ __all__ = [
     "HANDOFF_KEY_PARAM",
     "HANDOFF_PATH",
     "HANDOFF_URL_PARAM",
+    "IDLE_POLL",
     "LOCAL_PROMPT_TOKENS",
     "MERGE_ENV",
     "SHM_SPIN",
@@ -60,12 +61,14 @@ TEST_ONLY_DISABLE_ENV = "HYBRID_PD_TEST_ONLY_DISABLE_DECODE_ROW_FIX"  # decode_r
 
 # Fixes of vLLM's engine our vLLM plugin applies in every process of a server that names them, comma-separated
 # (hybrid_pd.connector.vllm.plugin): "cpu_prefix_caching" (hybrid_pd.connector.vllm.cpu_prefix_caching),
-# "shm_spin" (hybrid_pd.connector.vllm.shm_spin), "detok_suffix" (hybrid_pd.connector.vllm.detok_suffix).
+# "shm_spin" (hybrid_pd.connector.vllm.shm_spin), "detok_suffix" (hybrid_pd.connector.vllm.detok_suffix),
+# "idle_poll" (hybrid_pd.connector.vllm.idle_poll).
 ENGINE_FIXES_ENV = "HYBRID_PD_ENGINE_FIXES"
 CPU_PREFIX_CACHING = "cpu_prefix_caching"
 SHM_SPIN = "shm_spin"
 DETOK_SUFFIX = "detok_suffix"
-ENGINE_FIXES = (CPU_PREFIX_CACHING, SHM_SPIN, DETOK_SUFFIX)  # each the name of its module, applied in this order
+IDLE_POLL = "idle_poll"
+ENGINE_FIXES = (CPU_PREFIX_CACHING, SHM_SPIN, DETOK_SUFFIX, IDLE_POLL)  # each the name of its module, applied in this order
 
 # The hand-off timeline (hybrid_pd.connector.trace): its folder, and which role writes.
 TIMELINE_DIR_ENV = "HYBRID_PD_TIMELINE_DIR"

@@ -23,6 +23,7 @@ from hybrid_pd.connector.contract import (
     DECODE_ROW,
     DELAY_ENV,
     DETOK_SUFFIX,
+    IDLE_POLL,
     ENGINE_FIXES_ENV,
     MERGE_ENV,
     SHM_SPIN,
@@ -40,6 +41,10 @@ Device = Literal["cpu", "cuda"]
 # NIXL's progress thread on CPU workers: sleep up to this long between polls instead of
 # spinning a core (hybrid_pd/connector/vllm/nixl_progress.py says why).
 CPU_NIXL_PROGRESS_DELAY_US = 1000
+
+# GPU decode and flexible workers: how long an engine step that posted a pull and runs no model waits for the pull
+# to complete, so vLLM notices it in that step (hybrid_pd/connector/vllm/pull_await.py says why).
+GPU_PULL_AWAIT_US = 2000
 
 # On CPU, the KV cache is carved out of host memory. vLLM's default (a fraction of
 # the NUMA node) fails as soon as two servers share a machine; tiny models need little.
@@ -78,7 +83,7 @@ class WorkerSpec:
     nixl_trace_dir: str | None = None
     timeline_dir: str | None = None
     merge_descriptors: bool = True
-    pull_await_us: int = 0
+    pull_await_us: int | None = None  # None: GPU_PULL_AWAIT_US on GPUs, 0 on CPU (pull_await_env)
     early_leg_hold: str = "engine"  # where early decode legs wait for their push (hybrid_pd.connector.vllm.handoff)
     speculative_config: str | None = None  # vLLM's --speculative-config JSON (the settings' canonical form)
     vllm_args: tuple[str, ...] = ()
@@ -214,14 +219,16 @@ def nixl_merge_env(spec: WorkerSpec) -> dict[str, str]:
 
 
 def pull_await_env(spec: WorkerSpec) -> dict[str, str]:
-    """Decode and flex: wait up to ``spec.pull_await_us`` in the engine step that posted a pull for it to complete (:mod:`hybrid_pd.connector.vllm.pull_await`).
+    """Decode and flex: wait up to ``spec.pull_await_us`` in an engine step that posted a pull and runs no model for the pull to complete (:mod:`hybrid_pd.connector.vllm.pull_await`).
 
-    Off by default: it shortens time to first token at low load, but a step that waits is a
-    step every running request waits for (docs/performance.md, the real-scale matrix).
+    Only a step that runs no model waits, so no running request waits with it. By default on GPUs
+    (:data:`GPU_PULL_AWAIT_US`), not on CPU: there the waiting engine would spin on the core the
+    prefill's model needs.
     """
-    if spec.role not in ("decode", "flex") or spec.pull_await_us <= 0:
+    await_us = spec.pull_await_us if spec.pull_await_us is not None else (0 if spec.device == "cpu" else GPU_PULL_AWAIT_US)
+    if spec.role not in ("decode", "flex") or await_us <= 0:
         return {}
-    return {AWAIT_ENV: str(spec.pull_await_us)}
+    return {AWAIT_ENV: str(await_us)}
 
 
 def early_leg_hold_env(spec: WorkerSpec) -> dict[str, str]:
@@ -322,12 +329,16 @@ def engine_fix_env(spec: WorkerSpec, shape: ModelShape | None) -> dict[str, str]
 
     Every device and role: a request's stream is primed with its prompt's last tokens, not the whole prompt
     (:mod:`hybrid_pd.connector.vllm.detok_suffix`: the same text, without decoding the prompt on the first token).
+    GPU, decode and flex: an engine waiting for a pull looks again after 100 us, not 1 ms
+    (:mod:`hybrid_pd.connector.vllm.idle_poll`: the decode row scheduled sooner; an idle engine's core spent on it).
     CPU, every role: vLLM's message queues spin sleeping, not yielding (:mod:`hybrid_pd.connector.vllm.shm_spin`:
     on a shared CPU their spin starved the other servers).
     CPU, Mamba2: prefix caching's state checkpoints (:mod:`hybrid_pd.connector.vllm.cpu_prefix_caching`);
     they change nothing while prefix caching is off (only a scan asked for chunk states takes the new path).
     """
     fixes = [DETOK_SUFFIX]
+    if spec.device != "cpu" and spec.role in ("decode", "flex"):
+        fixes.append(IDLE_POLL)
     if spec.device == "cpu":
         fixes.append(SHM_SPIN)
         if shape is not None and shape.state_kind == "mamba2":

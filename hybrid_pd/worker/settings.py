@@ -17,7 +17,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from hybrid_pd.common import checks
 from hybrid_pd.common.cli_flags import ENV_ONLY, Flag
 from hybrid_pd.connector.contract import ENGINE_FIXES
-from hybrid_pd.connector.launch import Device, Role, WorkerSpec
+from hybrid_pd.connector.launch import GPU_PULL_AWAIT_US, Device, Role, WorkerSpec
 from hybrid_pd.connector.topology import rdma_devices
 from hybrid_pd.default_model import resolve_model
 
@@ -54,11 +54,11 @@ class WorkerSettings(BaseSettings):
     merge_descriptors: bool = Field(
         True, description="post NIXL reads that are adjacent on both sides as one descriptor (default: on)"
     )
-    pull_await_us: int = Field(
-        0,
-        description="decode: wait up to this many microseconds, in the engine step that posted a pull, for it to "
-        "complete, so vLLM notices it in that step instead of the next; shortens TTFT at low load, lengthens the "
-        "steps every running request waits for (0, the default: vLLM's behaviour)",
+    pull_await_us: int | None = Field(
+        None,
+        description="decode and flex: wait up to this many microseconds, in an engine step that posted a pull and runs "
+        "no model, for the pull to complete, so vLLM notices it in that step instead of the next (default: "
+        f"{GPU_PULL_AWAIT_US} on GPUs, 0 on CPU; 0: vLLM's behaviour)",
     )
     early_leg_hold: Literal["engine", "server"] = Field(
         "engine",

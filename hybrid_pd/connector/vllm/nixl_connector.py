@@ -41,8 +41,9 @@ it is vLLM's pull connector, with the fixes and hooks below switched on per work
    which vLLM answers from stale state under FULL CUDA graphs (vllm-project/vllm#57720); the
    decode worker computes prompts of up to ``hybrid_pd.connector.plan.LOCAL_PROMPT_TOKENS`` tokens itself.
 9. **Pulls noticed in the step that posted them.** When ``HYBRID_PD_PULL_AWAIT_US`` is set,
-   the decode worker waits, up to that long, for the reads it posted in an engine step to
-   complete before vLLM looks at them in that step (:mod:`hybrid_pd.connector.vllm.pull_await` says why).
+   the decode worker waits, up to that long, for the reads it posted in an engine step that
+   runs no model to complete before vLLM looks at them in that step
+   (:mod:`hybrid_pd.connector.vllm.pull_await` says why).
 10. **A local hit that leaves the state to pull.** With prefix caching on, a decode worker whose
    attention KV covers all N-1 tokens handed off, but not their state, pulls the last block and
    the state instead of prefilling the whole prompt itself (:mod:`hybrid_pd.connector.vllm.state_pull_hit`).
@@ -94,7 +95,7 @@ from hybrid_pd.connector.vllm.kv_lease import lease_expiry, pull_outlived_lease,
 from hybrid_pd.connector.vllm.nixl_merge import merge_adjacent_descriptors
 from hybrid_pd.connector.vllm.nixl_progress import throttle_progress_thread
 from hybrid_pd.connector.vllm.nixl_trace import record_transfers
-from hybrid_pd.connector.vllm.pull_await import await_transfers, posted_since
+from hybrid_pd.connector.vllm.pull_await import await_transfers, awaits, posted_since
 from hybrid_pd.connector.vllm.state_pull_hit import apply as pull_state_under_local_hits
 from hybrid_pd.connector.vllm.timeline_engine import EngineTimeline
 
@@ -123,6 +124,8 @@ _capability_gauge = None  # hybrid_pd:capability, registered by the first build_
 # The attribute of vLLM's connector metadata that carries lease ends from the decode
 # worker's scheduler to its model workers (possibly other processes: it is pickled along).
 _LEASE_EXPIRY_ATTR = "hybrid_pd_lease_expiry"
+# Likewise whether the workers wait for the pulls this step posts (pull_await.awaits: the step runs no model).
+_AWAITS_ATTR = "hybrid_pd_awaits_pulls"
 
 
 if os.environ.get(DELAY_ENV):
@@ -273,6 +276,7 @@ class NixlConnector(NixlPullConnector):
             self._timeline.step(getattr(scheduler_output, "num_scheduled_tokens", {}))
         meta = super().build_connector_meta(scheduler_output)
         setattr(meta, _LEASE_EXPIRY_ATTR, self._allocated_expiry)
+        setattr(meta, _AWAITS_ATTR, awaits(PULL_AWAIT_S, scheduler_output.total_num_scheduled_tokens))
         self._allocated_expiry = {}
         return meta
 
@@ -299,10 +303,11 @@ class NixlConnector(NixlPullConnector):
             self._timeline.pulled(results.finished_recving, results.failed_recving)
         return results
 
-    # Decode, worker side: the pulls posted in this step (awaited with PULL_AWAIT_S), for the timeline
-    # too, and (on a vLLM without get_transfer_results) pulls noticed complete.
+    # Decode, worker side: the pulls posted in this step (awaited where the scheduler said so), for the
+    # timeline too, and (on a vLLM without get_transfer_results) pulls noticed complete.
     def start_load_kv(self, forward_context, **kwargs) -> None:  # noqa: ANN001, ANN003 - vLLM's signature
-        before = self._transfer_handles() if PULL_AWAIT_S else None
+        awaited = getattr(getattr(self, "_connector_metadata", None), _AWAITS_ATTR, False)
+        before = self._transfer_handles() if awaited else None
         super().start_load_kv(forward_context, **kwargs)
         if before is not None:
             self._fresh_pulls += posted_since(before, self._transfer_handles())

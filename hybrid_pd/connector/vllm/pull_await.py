@@ -14,6 +14,11 @@ them, up to that many microseconds for those reads to leave NIXL's in-progress s
 then lets vLLM check them as before. The wait is bounded and reads only NIXL's state:
 a read still in progress then is noticed in a later step, as without the wait; a failed
 one is handled by vLLM exactly as before.
+
+Only a step that runs no model waits (:func:`awaits`): a step that runs one is a step every
+running request waits for, and a wait in every step cost TPOT at real scale (docs/connector.md,
+2026-11-25). An engine with nothing to run but the pulls it posted loses nothing by waiting, and
+that is the engine of a request's hand-off at low load, where the step it saves shows.
 """
 
 from __future__ import annotations
@@ -21,9 +26,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
-__all__ = ["await_transfers", "posted_since"]
+__all__ = ["await_transfers", "awaits", "posted_since"]
 
 IN_PROGRESS = "PROC"  # NIXL's state of a transfer still moving (vLLM compares with the same string)
+
+
+def awaits(budget_s: float, scheduled_tokens: int) -> bool:
+    """Whether the model workers wait for the pulls a step posts: a budget, and a step that runs no model (schedules no token)."""
+    return budget_s > 0 and scheduled_tokens == 0
 
 
 def posted_since(before: Mapping[str, Sequence[int]], after: Mapping[str, Sequence[int]]) -> list[int]:

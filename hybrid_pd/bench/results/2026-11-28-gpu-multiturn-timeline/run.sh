@@ -18,6 +18,9 @@
 # Device time with the kit (lease figures): run 1 ~465 s, run 2 ~460 s (../2026-11-28-gpu-prefix-hit-cost between them ~535 s),
 # run 3 ~700 s (servers ready in 205 s, the 14 points in ~460 s; its first start lost ~520 s to servers dead of max_model_len).
 # Run 4 (run4.env: the detok_suffix cut, one GPU, with the plugin loading) is prepared, not run.
+# Run 5 (run5.env, two GPUs): the idle-engine cuts of the hand-off (a decode worker as shipped against one with
+# --pull-await-us=0 --skip-engine-fix=idle_poll, fed by the same prefill) at 1 in flight and at 1000/512 @ 64, each twice
+# (ABBA), and two colocated servers on GPU 0 with and without detok_suffix; it replaces run 4.
 # Calls (the machine goes cold ~30 s after a call: never leave a gap):
 #   call 3: bash .gpu/c3/unpack.sh --all .gpu/c3/c3.tar.xz || exit; source .gpu/c3/env.sh; bash hybrid_pd/bench/results/2026-11-28-gpu-multiturn-timeline/run.sh start
 #   call 4: bash /tmp/site/.gpu-payload/unpack.sh --all >/dev/null || exit; source /tmp/site/.gpu-payload/env.sh; bash hybrid_pd/bench/results/2026-11-28-gpu-multiturn-timeline/run.sh wait 500; bash hybrid_pd/bench/results/2026-11-28-gpu-multiturn-timeline/run.sh pack
@@ -43,7 +46,7 @@ COMMON=(--model $M --served-model-name $NAME --device $DEVICE --max-model-len ${
 [ $CACHING = on ] && COMMON+=(--vllm-arg=--enable-prefix-caching) || COMMON+=(--vllm-arg=--no-enable-prefix-caching)
 [ $DEVICE = cuda ] && COMMON+=(--gpu-memory-utilization ${GPU_MEM:-0.45} --kv-cache-memory-bytes $((${KV_GIB:-8} << 30)))
 # name role gpu port side-channel-port extra...
-SERVERS=${SERVERS:-"pre:prefill:0:8100:5600 dec:decode:1:8101:5601 flex0:flex:0:8102:5602 flex1:flex:1:8103:5603"}  # name:role:gpu:port:side channel[:extra flag]
+SERVERS=${SERVERS:-"pre:prefill:0:8100:5600 dec:decode:1:8101:5601 flex0:flex:0:8102:5602 flex1:flex:1:8103:5603"}  # name:role:gpu:port:side channel[:extra flags, comma-separated]
 PAIRS=${PAIRS:-"ded:8110:8100:8101 flex:8111:8102:8103"}  # router name:port:prefill port:decode port
 serve() {
   local name=$1 role=$2 gpu=$3 port=$4 sc=$5; shift 5
@@ -110,7 +113,7 @@ start)
   log "model ready"
   for s in $SERVERS; do
     IFS=: read -r name role gpu port sc flag <<< "$s"
-    extra=(${flag:+$flag})
+    extra=(${flag//,/ })  # the extra flags, comma-separated
     [ $role = prefill ] || [ $role = decode ] && extra+=(--timeline-dir $DIR/timeline)
     serve $name $role $gpu $port $sc "${extra[@]}"
   done
