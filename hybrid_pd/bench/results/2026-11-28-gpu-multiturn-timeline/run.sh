@@ -20,7 +20,9 @@
 # Run 4 (run4.env: the detok_suffix cut, one GPU, with the plugin loading) is prepared, not run.
 # Run 5 (run5.env, two GPUs): the idle-engine cuts of the hand-off (a decode worker as shipped against one with
 # --pull-await-us=0 --skip-engine-fix=idle_poll, fed by the same prefill) at 1 in flight and at 1000/512 @ 64, each twice
-# (ABBA), and two colocated servers on GPU 0 with and without detok_suffix; it replaces run 4.
+# (ABBA), and two colocated servers on GPU 0 with and without detok_suffix; it replaces run 4. As run, a server's name
+# won over a pair's: the points of target "new" went to the decode worker's own server (whole requests), void; "newb"
+# reached the pair. Fixed since (a pair's name wins); results in run5-idle-cuts/, ~880 s of device time with the kit.
 # Calls (the machine goes cold ~30 s after a call: never leave a gap):
 #   call 3: bash .gpu/c3/unpack.sh --all .gpu/c3/c3.tar.xz || exit; source .gpu/c3/env.sh; bash hybrid_pd/bench/results/2026-11-28-gpu-multiturn-timeline/run.sh start
 #   call 4: bash /tmp/site/.gpu-payload/unpack.sh --all >/dev/null || exit; source /tmp/site/.gpu-payload/env.sh; bash hybrid_pd/bench/results/2026-11-28-gpu-multiturn-timeline/run.sh wait 500; bash hybrid_pd/bench/results/2026-11-28-gpu-multiturn-timeline/run.sh pack
@@ -87,8 +89,8 @@ measure() { # the runs, one after the other (detached)
   for b in $BENCH; do  # vLLM's own client; the same seed for every target of a point: the same prompts
     IFS=: read -r target in out conc num <<< "$b"
     port=
-    for p in $PAIRS $REPLICAS; do IFS=: read -r name rport _ <<< "$p"; [ "$name" = "${target%b}" ] && port=$rport; done
     for s in $SERVERS; do IFS=: read -r name _ _ rport _ <<< "$s"; [ "$name" = "$target" ] && port=$rport; done
+    for p in $PAIRS $REPLICAS; do IFS=: read -r name rport _ <<< "$p"; [ "$name" = "${target%b}" ] && port=$rport; done  # a pair's name wins over a server's
     file=$target-$in-$out-c$conc
     snapshot bench-$file before
     python3 $HERE/vllm_bench.py --backend openai --base-url http://127.0.0.1:$port --endpoint /v1/completions \
