@@ -26,9 +26,9 @@ def _sleeps(monkeypatch, engine: SimpleNamespace) -> list[float]:
     from vllm.v1.engine.core import EngineCoreProc
 
     slept: list[float] = []
-    monkeypatch.setattr(time, "sleep", slept.append)
-    EngineCoreProc._process_engine_step(engine)
-    monkeypatch.undo()
+    with monkeypatch.context() as patch:  # undoes only the recorder, not the test's own patches
+        patch.setattr(time, "sleep", slept.append)
+        EngineCoreProc._process_engine_step(engine)
     return slept
 
 
@@ -37,12 +37,12 @@ def test_vllms_engine_loop_sleeps_100_us_instead_of_1_ms_after_a_step_that_ran_n
 
     monkeypatch.setattr(core, "time", core.time)  # restored after the test
     assert _sleeps(monkeypatch, _engine(model_executed=False)) == [idle_poll.VLLM_IDLE_SLEEP_S]  # vLLM's own
-    monkeypatch.setattr(core, "time", core.time)
     assert idle_poll.probe() is not None
     idle_poll.apply()
     assert idle_poll.probe() is None  # applied once
     assert _sleeps(monkeypatch, _engine(model_executed=False)) == [idle_poll.IDLE_SLEEP_S]
     assert _sleeps(monkeypatch, _engine(model_executed=True)) == []  # a step that ran the model never slept
+    assert isinstance(core.time, idle_poll.EngineTime)  # still fixed here: the checks above ran on the fixed module
     assert core.time.monotonic is time.monotonic  # the rest of the module is the time module's
 
 

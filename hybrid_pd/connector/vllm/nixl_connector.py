@@ -170,7 +170,7 @@ class NixlConnector(NixlPullConnector):
         self._lease_s = float(vllm_config.kv_transfer_config.get_from_extra_config("kv_lease_duration", 30))
         self._allocated_expiry: dict[str, float] = {}  # decode scheduler: pulls not yet handed to the workers
         self._pull_expiry: dict[str, float] = {}  # decode worker: pulls in flight
-        self._fresh_pulls: list[int] = []  # decode worker: NIXL handles posted in this step (with PULL_AWAIT_S)
+        self._fresh_pulls: list[int] = []  # decode worker: NIXL handles posted in a step the scheduler said to await
         if (writer := timeline_writer()) is not None:
             self._timeline = EngineTimeline(writer, prefill=vllm_config.kv_transfer_config.kv_role == "kv_producer")
         if self.connector_scheduler is not None and vllm_config.kv_transfer_config.kv_role in ("kv_producer", "kv_both"):
