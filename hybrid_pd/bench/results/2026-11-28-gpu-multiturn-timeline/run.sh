@@ -23,6 +23,8 @@
 # (ABBA), and two colocated servers on GPU 0 with and without detok_suffix; it replaces run 4. As run, a server's name
 # won over a pair's: the points of target "new" went to the decode worker's own server (whole requests), void; "newb"
 # reached the pair. Fixed since (a pair's name wins); results in run5-idle-cuts/, ~880 s of device time with the kit.
+# Run 6 (run6.env, two GPUs): the split as shipped after the cuts against two colocated replicas on the same GPUs, ABBA
+# at 1000/512 @ 64, and the TTFT target at 1 in flight against a colocated server on each GPU, twice.
 # Calls (the machine goes cold ~30 s after a call: never leave a gap):
 #   call 3: bash .gpu/c3/unpack.sh --all .gpu/c3/c3.tar.xz || exit; source .gpu/c3/env.sh; bash hybrid_pd/bench/results/2026-11-28-gpu-multiturn-timeline/run.sh start
 #   call 4: bash /tmp/site/.gpu-payload/unpack.sh --all >/dev/null || exit; source /tmp/site/.gpu-payload/env.sh; bash hybrid_pd/bench/results/2026-11-28-gpu-multiturn-timeline/run.sh wait 500; bash hybrid_pd/bench/results/2026-11-28-gpu-multiturn-timeline/run.sh pack
