@@ -58,11 +58,12 @@ def test_a_dead_side_channel_listener_fails_the_worker_at_once(model_dir, monkey
     assert "will not become ready" in caplog.text and "Address already in use" in caplog.text
 
 
-def _run_stand_in(monkeypatch, model_dir, program: str, **settings) -> tuple[int, float]:
-    """``run_worker`` with ``program`` (Python) in vLLM's place; its exit code and how long it ran."""
+def _run_stand_in(monkeypatch, model_dir, program: str, port: int | None = None, **settings) -> tuple[int, float]:
+    """``run_worker`` with ``program`` (Python) in vLLM's place, its server's ``port`` chosen here unless given; its exit
+    code and how long it ran."""
     monkeypatch.setattr(worker, "build_launch", lambda spec: Launch(argv=[sys.executable, "-c", program], env={}))
     monkeypatch.setattr(worker, "with_capabilities", lambda spec, fix: spec)  # no vLLM to probe: a stand-in starts
-    settings = WorkerSettings(model=str(model_dir), port=free_port(), side_channel_port=free_port(), ready_timeout_s=60, **settings)
+    settings = WorkerSettings(model=str(model_dir), port=port or free_port(), side_channel_port=free_port(), ready_timeout_s=60, **settings)
     started = time.monotonic()
     return run_worker("decode", settings), time.monotonic() - started
 
@@ -199,3 +200,35 @@ def test_a_start_that_stops_printing_in_a_phase_is_ended_after_that_phases_budge
     assert line.rstrip().endswith("Using cpu Mamba SSU backend."), "vLLM's last lines follow"
     (stacks,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("where vLLM's processes stood")]
     assert "--- vLLM's API server (pid " in stacks and "initialize_kv_caches" in stacks, stacks
+
+
+def test_while_serving_a_process_that_waited_60_s_for_another_gets_the_stacks_logged_and_vllm_is_not_ended_for_it(model_dir, monkeypatch, caplog):
+    """The slower host's wedged prefill (docs/reliability.md): its engine core said each minute that a model worker had
+    read no step for 60 s, and nothing recorded where that worker stood; vLLM is not ended for the line (a long step is
+    not a fault). Here a stand-in becomes ready, says so once, and serves on until it exits by itself: the worker
+    service logs the stacks while it waits (the stand-in's function in them) and vLLM ends for its exit, not earlier."""
+    port = free_port()
+    stand_in = (
+        "import http.server, threading, time\n"
+        "class Ok(http.server.BaseHTTPRequestHandler):\n"
+        "    def do_GET(self):\n"
+        "        self.send_response(200)\n"
+        "        self.end_headers()\n"
+        "    def log_message(self, *args):\n"
+        "        pass\n"
+        f"server = http.server.ThreadingHTTPServer(('127.0.0.1', {port}), Ok)\n"
+        "threading.Thread(target=server.serve_forever, daemon=True).start()\n"
+        "time.sleep(3)\n"  # ready meanwhile
+        "def wait_for_the_model_worker():\n"
+        "    print('(EngineCore pid=2) INFO [shm_broadcast.py:871] No available shared memory broadcast block found in 60 seconds.', flush=True)\n"
+        "    time.sleep(8)\n"
+        "wait_for_the_model_worker()\n"
+    )
+    code, took = _run_stand_in(monkeypatch, model_dir, stand_in, port=port)
+    assert code == worker.EXIT_VLLM_FAILED
+    assert took >= 10, "vLLM ended for its own exit, not for the line"
+    messages = [r.getMessage() for r in caplog.records]
+    (stacks,) = [m for m in messages if m.startswith("vLLM says one of its processes waited 60 s for another while serving")]
+    assert "--- vLLM's API server (pid " in stacks and "wait_for_the_model_worker" in stacks, stacks
+    (ended,) = [m for m in messages if m.startswith("vLLM ended")]
+    assert messages.index(stacks) < messages.index(ended)

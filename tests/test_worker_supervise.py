@@ -285,7 +285,9 @@ def test_output_relay_counts_progress_bars_and_not_lines_that_only_wait():
 
         time.sleep(0.05)
         assert written(b"(Worker pid=1) INFO loading weights\n") > 0
+        assert relay.engine_waits == 0
         assert written(b"(EngineCore pid=2) INFO No available shared memory broadcast block found in 60 seconds.\n") == 0
+        assert relay.engine_waits == 1, "counted: while serving, the worker service dumps the stacks for it"
         assert written(b"\rCapturing CUDA graphs:  40%|####  | 4/10") > 0, "a redraw before any newline"
         assert written(b"\rCapturing CUDA graphs: 100%|##########| 10/10\n") > 0
         assert written(b"Exception in thread nixl_handshake_listener:\n") > 0

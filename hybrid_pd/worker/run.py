@@ -177,6 +177,7 @@ def run_worker(role: Role, settings: WorkerSettings) -> int:
     segments: set[str] = set()  # shared memory vLLM's processes mapped, removed if a failure leaves it behind
     failure: str | None = None
     stalled = False
+    waits_dumped = 0
     while not stopping.is_set():
         state, decision = judge(state, _observe(proc, relay, checks), windows)
         if (failure := decision.failure) is not None:
@@ -184,6 +185,10 @@ def run_worker(role: Role, settings: WorkerSettings) -> int:
             break
         if decision.probe:
             checks.probe()
+        if ready and relay.engine_waits > waits_dumped:  # where a wedged process stands, while it still does
+            waits_dumped = relay.engine_waits
+            log.error("vLLM says one of its processes waited 60 s for another while serving (%s); where they stand (py-spy dump):\n%s",
+                      kv(role=role, pid=proc.pid), dump_stacks(long_lived(process_group(proc.pid), proc.pid), _DUMP_TIMEOUT_S))
         if not ready and checks.ready_at is not None:
             ready = True
             segments = shared_memory_of(process_group(proc.pid))  # a process that dies later maps nothing any more

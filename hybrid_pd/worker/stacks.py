@@ -4,7 +4,9 @@ Why (issue #36): a prefill worker's vLLM went silent mid-start and was ended aft
 its log said how long it had been silent, not where. By hand, ``py-spy dump`` showed the engine core
 waiting in ``EngineCore._initialize_kv_caches`` -> ``collective_rpc`` on a model worker starved of CPU.
 The worker service now writes those stacks into its log when it judges vLLM stalled: its API server,
-engine core and model workers, each dumped within ``timeout_s``. A dump that cannot be taken (py-spy
+engine core and model workers, each dumped within ``timeout_s``; and, while serving, each time vLLM says one of
+its processes waited 60 s for another (a model worker reading no step: the slower host's wedged prefill,
+docs/reliability.md), without ending vLLM for it. A dump that cannot be taken (py-spy
 missing, no permission to read another process's memory, the process gone) says why in one line and the
 next is tried: nothing here may keep a stalled vLLM from being ended.
 

@@ -65,10 +65,14 @@ __all__ = [
 # vLLM names its long-lived processes "<prefix>::<name>" (setproctitle; vllm.utils.system_utils).
 TITLE_PREFIX = os.environ.get("VLLM_PROCESS_NAME_PREFIX", "VLLM") + "::"
 
+# vLLM's line when one of its processes has waited 60 s for another over their shared-memory queue: while serving, a
+# model worker that read no step for that long (the slower host's wedged prefill, docs/reliability.md).
+ENGINE_WAIT_LINE = "No available shared memory broadcast block found"
+
 # Lines vLLM repeats while it waits for another of its processes: they show no progress of their own.
 # The first is what the engine core logged once a minute for ten minutes in issue #27.
 WAITING_LINES = (
-    "No available shared memory broadcast block found",
+    ENGINE_WAIT_LINE,
     "core engine proc(s) to start",
     "core engine proc(s) to connect",
 )
@@ -346,6 +350,7 @@ class OutputRelay:
         self.output_at = time.monotonic()
         self.phase = 0  # the start phase vLLM's lines so far show (START_PHASES)
         self.fatal_line: str | None = None
+        self.engine_waits = 0  # times vLLM said a process of its own waited 60 s for another (ENGINE_WAIT_LINE)
         # The attention block the engine chose for a hybrid ("Setting attention block size to N tokens"): where its
         # prefix-cache hits land, which its API server's metrics do not show (hybrid_pd.common.prom.prefix_hit_tokens).
         self.attention_block: int | None = None
@@ -372,6 +377,7 @@ class OutputRelay:
                 self.phase = start_phase(self.phase, line)
                 if line.startswith(FATAL_LINES) and self.fatal_line is None:
                     self.fatal_line = line
+                self.engine_waits += ENGINE_WAIT_LINE in line
                 self.attention_block = logged_attention_block(line) or self.attention_block
                 progress = progress or not any(mark in line for mark in WAITING_LINES)
             if redrawing:  # a bar being redrawn begins its phase before its newline (CUDA graphs)
