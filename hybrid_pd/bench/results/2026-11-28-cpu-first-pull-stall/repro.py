@@ -21,7 +21,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -31,53 +30,45 @@ import httpx
 import psutil
 
 from hybrid_pd.bench.gpu.model_matrix import XFERS
-from hybrid_pd.common.processes import free_port
+from hybrid_pd.common.processes import Proc, free_port, process_group
 from hybrid_pd.common.prom import metric_sum
 from hybrid_pd.default_model import resolve_model
 from hybrid_pd.router.legs import decode_body, prefill_body
 from hybrid_pd.stack import Stack, StackConfig
+from hybrid_pd.worker.stacks import dump_stacks
+from hybrid_pd.worker.supervise import long_lived
 
-PYSPY = str(Path(sys.executable).parent / "py-spy")
-
-
-def processes(url: str) -> list[psutil.Process]:
-    """The vLLM server listening on ``url``'s port and every process under it."""
+def vllm_processes(url: str) -> list[tuple[str, Proc]]:
+    """The vLLM server listening on ``url``'s port and its long-lived processes, named as the worker service names them."""
     port = urlsplit(url).port
     for proc in psutil.process_iter():
         try:
             if any(c.laddr.port == port and c.status == psutil.CONN_LISTEN for c in proc.net_connections(kind="tcp")):
-                return [proc, *proc.children(recursive=True)]
-        except psutil.Error:
+                return long_lived(process_group(os.getpgid(proc.pid)), proc.pid)
+        except (psutil.Error, OSError):
             pass
     return []
 
 
-def title(proc: psutil.Process) -> str:
-    try:
-        return " ".join(proc.cmdline())[:60]
-    except psutil.Error:
-        return "?"
-
-
 def dump(workers, out: Path) -> None:
-    """py-spy of every process first (fast: the stall may end meanwhile), then gdb of the model workers."""
+    """The workers' stacks as the worker service dumps them (py-spy: fast, the stall may end meanwhile), then gdb (every
+    native thread) of their model workers."""
     out.mkdir(parents=True, exist_ok=True)
-    found = [(w.name, p) for w in workers for p in processes(w.url) if "resource_tracker" not in title(p)]
-    started = time.time()
-    for name, proc in found:
-        r = subprocess.run([PYSPY, "dump", "--pid", str(proc.pid)], capture_output=True, text=True, timeout=60)
-        (out / f"{name}-{proc.pid}-pyspy.txt").write_text(f"{title(proc)} at {time.time() - started:.2f} s\n{r.stdout}{r.stderr}")
-    for name, proc in found:
-        if "Worker" in title(proc):
-            r = subprocess.run(["gdb", "-p", str(proc.pid), "-batch", "-ex", "thread apply all bt 30"], capture_output=True, text=True, timeout=180)
-            (out / f"{name}-{proc.pid}-gdb.txt").write_text(f"{title(proc)} at {time.time() - started:.2f} s\n{r.stdout}")
+    found = [(w.name, vllm_processes(w.url)) for w in workers]
+    for worker, procs in found:
+        (out / f"{worker}-pyspy.txt").write_text(dump_stacks(procs, timeout_s=60))
+    for worker, procs in found:
+        for name, proc in procs:
+            if "Worker" in name:
+                r = subprocess.run(["gdb", "-p", str(proc.pid), "-batch", "-ex", "thread apply all bt 30"], capture_output=True, text=True, timeout=180)
+                (out / f"{worker}-{proc.pid}-gdb.txt").write_text(r.stdout)
 
 
 def kick(workers, answered: threading.Event) -> str:
     """SIGSTOP+SIGCONT of each worker's model worker in turn; which one the answer followed (within 3 s)."""
     for worker in workers:
-        for proc in processes(worker.url):
-            if "Worker" in title(proc):
+        for name, proc in vllm_processes(worker.url):
+            if "Worker" in name:
                 os.kill(proc.pid, signal.SIGSTOP)
                 time.sleep(0.05)
                 os.kill(proc.pid, signal.SIGCONT)
