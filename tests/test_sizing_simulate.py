@@ -130,6 +130,44 @@ def test_out_of_memory_the_last_started_sequence_is_preempted_and_computed_again
     assert engine.waiting == [second] and (second.prompt_left, second.context, second.memory) == (33, 0, 0)
 
 
+def test_on_a_busy_decode_worker_a_pull_is_posted_a_step_late_and_its_row_runs_two_steps_after_it_is_done():
+    """vLLM's asynchronous scheduling, which decode workers keep: the step that admits a decode leg was planned while the
+    one before it ran, so it posts the pull as the step after it starts; a pull done while a step runs is reported by
+    that step, when the next is planned already. Steps of 5 ms; before this, the row ran at 10 ms, its token at 15."""
+    engine = Engine(tiny_profile(decode={"base_ms": 5.0, "per_seq_ms": 0.0, "per_context_token_ms": 0.0}, prefill_per_token_ms=0.0))
+    busy, leg = Job(0, 1, 0, 100), Job(1, 1, 99, 5, pull_ms=1.0, pull="wanted")
+    engine.submit(busy)
+    step, _ = engine.plan(0.0)  # [0, 5): busy's prompt
+    engine.submit(leg)
+    engine.finish()
+    step, pulls = engine.plan(5.0)  # [5, 10): admits the leg, whose pull this step's successor posts
+    assert pulls == [leg] and engine.pull_posted_ms(5.0) == 10.0
+    engine.finish()
+    step, _ = engine.plan(10.0)  # busy decodes; the pull runs 10 -> 11
+    engine.interrupt(11.0)
+    engine.pulled(leg)
+    assert engine.step.end_ms == 15.0
+    engine.finish()
+    step, _ = engine.plan(15.0)  # [15, 20): planned before the report of [10, 15) came
+    assert [job for job, _ in step.tokens] == [busy] and step.count == 1
+    engine.finish()
+    step, _ = engine.plan(20.0)  # [20, 25): the decode row
+    assert [job for job, _ in step.tokens] == [busy, leg]
+    sampled, _ = engine.finish()
+    assert leg in sampled and step.end_ms == 25.0
+
+
+def test_on_an_idle_decode_worker_the_pull_is_posted_at_once_and_its_row_runs_when_it_is_done():
+    engine = Engine(tiny_profile())
+    leg = Job(1, 1, 99, 5, pull_ms=1.0, pull="wanted")
+    engine.submit(leg)
+    step, pulls = engine.plan(0.0)
+    assert step is None and pulls == [leg] and engine.pull_posted_ms(0.0) == 0.0
+    engine.pulled(leg)
+    step, _ = engine.plan(1.0)
+    assert [job for job, _ in step.tokens] == [leg]
+
+
 def test_a_request_larger_than_the_cache_is_refused_before_it_would_wait_forever():
     with pytest.raises(ValueError, match="a request of 2000 tokens needs"):
         check_fits(tiny_profile(cache_bytes=100 * PAGE), fixed(1000, 1000, 1, concurrency=1))

@@ -10,14 +10,19 @@ waiting ones, first come first served, while fewer than ``max_num_seqs`` run, th
 and the cache has room for their chunk; the first that does not fit stops the rest. A decode leg
 of P/D first needs its state: the scheduler gives it memory for the state (and the token it
 computes) and starts the pull; it waits, passed over by the others, until the pull is done, then
-computes its one remaining prompt token like any prompt. The step lasts :meth:`Profile.step_ms` of its decode rows and
+computes its one remaining prompt token like any prompt. On a busy worker vLLM's asynchronous scheduling
+(0.26's default, which decode and flexible workers keep) delays both ends by a step: the step that admits a
+decode leg is planned while the one before it runs, so its pull is posted a step later
+(:meth:`Engine.pull_posted_ms`), and a pull done while a step runs is reported by that step, when the next
+one is planned already (:meth:`Engine.pulled`). An idle worker has no step to wait for. The step lasts :meth:`Profile.step_ms` of its decode rows and
 prompt tokens; at its end, a sequence whose prompt is done samples a token (its first, unless it
 was preempted), a decoding one its next.
 
 A job may start with tokens already in the cache (``context``, a prefix-cache hit of a later turn:
 the simulation decides how many, :func:`hybrid_pd.sizing.simulate.reusable`); it computes only the
 rest. Left out, because the measurements the simulator is checked against cannot tell them apart:
-async scheduling (vLLM 0.26 plans step k+1 while k runs), the prefix cache's own memory (a hit's
+async scheduling's other effects (vLLM 0.26 plans step k+1 while k runs: a prompt's first token and each
+next one), the prefix cache's own memory (a hit's
 blocks count as the job's, and nothing is evicted), the model length limit.
 
 A run of pure decode steps in which nothing can change (every running sequence decodes, none
@@ -49,6 +54,7 @@ class Job:
     outputs_left: int  # tokens still to sample here; 0: done when its prompt is (a prefill leg)
     pull_ms: float = 0.0  # the state's transfer (a decode leg)
     pull: Pull = "none"
+    lag: int = 0  # plans that pass over a pulled decode leg before it may run (the scheduler learns of the pull late)
     memory: int = field(default=0, init=False)  # KV-cache bytes it holds here
     covered: int = field(default=0, init=False)  # tokens that memory holds (whole blocks; 0: none)
 
@@ -110,10 +116,13 @@ class Engine:
             tokens.append((job, n))
             budget -= n
         pulls = []
+        lagged = False
         i = 0
         while not preempted and i < len(self.waiting) and budget > 0:  # vLLM admits none in a step that preempted
             job = self.waiting[i]
-            if job.pull == "pulling":
+            if job.pull == "pulling" or job.lag:
+                lagged |= job.lag > 0
+                job.lag = max(job.lag - 1, 0)
                 i += 1
             elif job.pull == "wanted":  # memory for the state and the tokens it computes: once pulled, it needs no more to start
                 if not self._grow(job, job.context + job.prompt_left):
@@ -129,13 +138,16 @@ class Engine:
                 tokens.append((job, n))
                 budget -= n
         if not tokens:
+            if lagged:  # nothing else runs: the step that reported the pull was the last, so this plan sees it
+                step, more = self.plan(now_ms)
+                return step, pulls + more
             return None, pulls
         prompt = sum(n for job, n in tokens if job.prompt_left)
         prompts = sum(1 for job, _ in tokens if job.prompt_left)
         rows = [job for job, _ in tokens if not job.prompt_left]
         context = sum(job.context for job in rows)
         count = 1
-        if not prompt and not pulls and len(tokens) == len(self.running):
+        if not prompt and not pulls and not lagged and len(tokens) == len(self.running):
             last, bt = min(job.outputs_left for job in rows), self._block_tokens
             if sum(-(-(job.context + last) // bt) - job.covered // bt for job in rows) * self._block_bytes <= self.free_bytes:
                 for job in rows:  # the run's memory, now; what a run cut short did not use comes back at its end
@@ -144,6 +156,18 @@ class Engine:
         growth = p.step_ms(len(rows), context + len(rows), 0) - p.step_ms(len(rows), context, 0)
         self.step = Step(tuple(tokens), now_ms, p.step_ms(len(rows), context, prompt, prompts), growth, count)
         return self.step, pulls
+
+    def pull_posted_ms(self, now_ms: float) -> float:
+        """When the pulls :meth:`plan` started at ``now_ms`` are posted: with the step it planned (asynchronous
+        scheduling planned that one while the step before it ran, so it posts them as the step after it
+        starts), at once on an idle worker."""
+        return self.step.end_ms if self.step is not None else now_ms
+
+    def pulled(self, job: Job) -> None:
+        """``job``'s state is here. While a step runs, that step reports it, and the next step is planned
+        already: the plan after that one is the first to see it."""
+        job.pull = "done"
+        job.lag = 1 if self.step is not None else 0
 
     def interrupt(self, now_ms: float) -> Step | None:
         """Something reached the worker at ``now_ms``: a run of steps ends with the step in progress. The shortened step, if it was shortened."""

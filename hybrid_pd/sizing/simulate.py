@@ -422,13 +422,13 @@ class _Simulation:
             return
         step, pulls = engine.plan(now)
         for job in pulls:
-            self._at(now + job.pull_ms, self._pulled, (engine, job))
+            self._at(engine.pull_posted_ms(now) + job.pull_ms, self._pulled, (engine, job))
         if step is not None:
             self._at(step.end_ms, self._step_end, (engine, step))
 
     def _pulled(self, now: float, arg: tuple[Engine, Job]) -> None:
         engine, job = arg
-        job.pull = "done"
+        engine.pulled(job)
         route = self.routes[job.request_id]
         self._release(now, self.engines[route.prefill], route.leg)
         self._poke(now, engine)
