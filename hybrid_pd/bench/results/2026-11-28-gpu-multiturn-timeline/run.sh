@@ -25,6 +25,8 @@
 # reached the pair. Fixed since (a pair's name wins); results in run5-idle-cuts/, ~880 s of device time with the kit.
 # Run 6 (run6.env, two GPUs): the split as shipped after the cuts against two colocated replicas on the same GPUs, ABBA
 # at 1000/512 @ 64, and the TTFT target at 1 in flight against a colocated server on each GPU, twice.
+# Run 7 (run7.env, ONE GPU): the TTFT target at 1 in flight with P/D and the colocated server on the same GPU, and the
+# decode worker as shipped against one without the idle-engine cuts, fed by the same prefill worker, each early and late.
 # Calls (the machine goes cold ~30 s after a call: never leave a gap):
 #   call 3: bash .gpu/c3/unpack.sh --all .gpu/c3/c3.tar.xz || exit; source .gpu/c3/env.sh; bash hybrid_pd/bench/results/2026-11-28-gpu-multiturn-timeline/run.sh start
 #   call 4: bash /tmp/site/.gpu-payload/unpack.sh --all >/dev/null || exit; source /tmp/site/.gpu-payload/env.sh; bash hybrid_pd/bench/results/2026-11-28-gpu-multiturn-timeline/run.sh wait 500; bash hybrid_pd/bench/results/2026-11-28-gpu-multiturn-timeline/run.sh pack
@@ -91,7 +93,7 @@ measure() { # the runs, one after the other (detached)
   for b in $BENCH; do  # vLLM's own client; the same seed for every target of a point: the same prompts
     IFS=: read -r target in out conc num <<< "$b"
     port=
-    for s in $SERVERS; do IFS=: read -r name _ _ rport _ <<< "$s"; [ "$name" = "$target" ] && port=$rport; done
+    for s in $SERVERS; do IFS=: read -r name _ _ rport _ <<< "$s"; [ "$name" = "$target" ] || [ "$name" = "${target%b}" ] && port=$rport; done  # colb: col again
     for p in $PAIRS $REPLICAS; do IFS=: read -r name rport _ <<< "$p"; [ "$name" = "${target%b}" ] && port=$rport; done  # a pair's name wins over a server's
     file=$target-$in-$out-c$conc
     snapshot bench-$file before
