@@ -29,7 +29,8 @@
 # decode worker as shipped against one without the idle-engine cuts, fed by the same prefill worker, each early and late.
 # Run 8 (run8.env, ONE GPU): run 7's layout without the second decode worker, PROBE=1; after the runs, on the GPU machine:
 #   python3 ../2026-11-27-h100-handoff-probe/analyze.py $DIR/probe $DIR/timeline; per_call.py $DIR/probe (run8-probe/).
-# Run 9 (run9.env, ONE GPU): run 8's layout without the probe, after detok_suffix's fix of prompts ending in U+FFFD.
+# Run 9 (run9.env, ONE GPU): run 8's layout without the probe, after detok_suffix's fix of prompts ending in U+FFFD
+#   (run9-unrepeated/; run as one call after the kit's calls 1-2: run.sh start, then run.sh pack).
 # Calls (the machine goes cold ~30 s after a call: never leave a gap):
 #   call 3: bash .gpu/c3/unpack.sh --all .gpu/c3/c3.tar.xz || exit; source .gpu/c3/env.sh; bash hybrid_pd/bench/results/2026-11-28-gpu-multiturn-timeline/run.sh start
 #   call 4: bash /tmp/site/.gpu-payload/unpack.sh --all >/dev/null || exit; source /tmp/site/.gpu-payload/env.sh; bash hybrid_pd/bench/results/2026-11-28-gpu-multiturn-timeline/run.sh wait 500; bash hybrid_pd/bench/results/2026-11-28-gpu-multiturn-timeline/run.sh pack
