@@ -82,12 +82,6 @@ def _unrepeated(whole: list[str | None], prompt_text: str) -> list[str | None]:
     return [*whole[:first], text[len(os.path.commonprefix([text, prompt_text])) :], *whole[first + 1 :]]
 
 
-def _primed(how: detok_suffix.Priming, skip: bool):
-    if how.said is None:
-        return tokenizers.decoders.DecodeStream(ids=how.ids, skip_special_tokens=skip)
-    return detok_suffix.Unrepeated(how.ids, how.said, skip)
-
-
 @pytest.mark.parametrize("kind", ["ours", "byte-level", "metaspace"])
 def test_a_stream_primed_as_priming_says_emits_what_one_primed_with_the_whole_prompt_does_less_a_repeated_prompt(kind):
     tok, rng = _tokenizer(kind), random.Random(kind)
@@ -102,7 +96,7 @@ def test_a_stream_primed_as_priming_says_emits_what_one_primed_with_the_whole_pr
         if how.said is not None:  # vLLM's stream repeats the prompt: the reference is its texts less the prompt's
             unrepeated += 1
             whole = _unrepeated(whole, tok.decode(ids, skip_special_tokens=skip))
-        assert _deltas(_primed(how, skip), tok, generated) == whole, (ids[-30:], generated)
+        assert _deltas(how.stream(skip), tok, generated) == whole, (ids[-30:], generated)
     assert primed > 300  # most prompts take the suffix: the comparison covers them, not only the fallbacks
     assert unrepeated > 10 or kind == "metaspace"  # and the prompts whose text ends in U+FFFD (none from a BPE of whole characters)
 
@@ -127,7 +121,7 @@ def test_a_prompt_whose_text_ends_in_a_replacement_character_is_not_streamed_bac
         ids, generated = tok.encode(prompt).ids, tok.encode(" Answer: 5").ids
         vllms = _deltas(tokenizers.decoders.DecodeStream(ids=ids, skip_special_tokens=True), tok, generated)
         assert vllms[0].startswith(prompt.strip())  # what vLLM 0.26 and 0.32 stream
-        ours = _deltas(_primed(detok_suffix.priming(tok, ids, True), True), tok, generated)
+        ours = _deltas(detok_suffix.priming(tok, ids, True).stream(True), tok, generated)
         assert "".join(t or "" for t in ours) == " Answer: 5"
 
 

@@ -52,23 +52,26 @@ def _chat_body(stream: bool) -> dict:
             "ignore_eos": True}  # fmt: skip
 
 
+def _chunks(client: httpx.Client, path: str, body: dict) -> list[dict]:
+    """The answer's JSON: the one body, or each streamed chunk."""
+    if not body["stream"]:
+        r = client.post(path, json=body)
+        assert r.status_code == 200, r.text
+        return [r.json()]
+    with client.stream("POST", path, json=body) as r:
+        assert r.status_code == 200, r.read()
+        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
 def _generated(path: str, body: dict, client: httpx.Client, model: str) -> tuple[list, list[float]]:
     """(tokens, logprobs) of one request, streamed or not.
 
     Each with a cache salt of its own: the workers cache prefixes (the CPU default), and a prompt sent before would be
     resumed from the decode worker's cache instead of crossing NIXL whole (tests/e2e/test_prefix_caching.py checks hits).
     """
-    body = {**body, "model": model, "cache_salt": uuid.uuid4().hex}
-    if not body["stream"]:
-        r = client.post(path, json=body)
-        assert r.status_code == 200, r.text
-        chunks = [r.json()]
-    else:
-        with client.stream("POST", path, json=body) as r:
-            assert r.status_code == 200, r.read()
-            lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
-        assert lines[-1] == "[DONE]"
-        chunks = [json.loads(line) for line in lines[:-1]]
+    chunks = _chunks(client, path, {**body, "model": model, "cache_salt": uuid.uuid4().hex})
     tokens: list = []
     logprobs: list[float] = []
     for chunk in chunks:
@@ -120,18 +123,6 @@ def test_completions_equal_colocated_with_one_transfer(case, stream, router, col
     assert after == (before[0] + 1, before[1]), f"decode transfers {before} -> {after}"
 
 
-def _text(client: httpx.Client, body: dict) -> str:
-    """The completion's text, streamed or not."""
-    if not body["stream"]:
-        r = client.post("/v1/completions", json=body)
-        assert r.status_code == 200, r.text
-        return r.json()["choices"][0]["text"]
-    with client.stream("POST", "/v1/completions", json=body) as r:
-        assert r.status_code == 200, r.read()
-        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
-    return "".join(json.loads(line)["choices"][0]["text"] for line in lines[:-1] if json.loads(line)["choices"])
-
-
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 def test_a_prompt_whose_text_ends_in_a_replacement_character_is_not_answered_with_itself(stream, router, colocated, stack):
     """vLLM's detokenizer streams such a prompt's whole text back with the first token (vLLM 0.26 and 0.32: its stream
@@ -139,7 +130,7 @@ def test_a_prompt_whose_text_ends_in_a_replacement_character_is_not_answered_wit
     prompt = "Question: Maya has 41 beads. She buys 37 more beads. How many beads does Maya have now? \ufffd"
     body = {"model": stack.config.served_model_name, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
             "stream": stream, "ignore_eos": True, "cache_salt": uuid.uuid4().hex}  # fmt: skip
-    routed, baseline = _text(router, body), _text(colocated, body)
+    routed, baseline = ("".join(c["choices"][0]["text"] for c in _chunks(client, "/v1/completions", body) if c["choices"]) for client in (router, colocated))
     assert routed == baseline
     assert "Maya has 41 beads" not in routed, routed[:200]
 

@@ -48,6 +48,14 @@ class Priming:
     ids: list[int]
     said: str | None = None  # the text of ``ids``, which ends in U+FFFD: a stream primed with them repeats it
 
+    def stream(self, skip_special_tokens: bool) -> Any:
+        """The stream primed so: a ``DecodeStream``, or an :class:`Unrepeated` one where ``said`` is set."""
+        import tokenizers
+
+        if self.said is not None:
+            return Unrepeated(self.ids, self.said, skip_special_tokens)
+        return tokenizers.decoders.DecodeStream(ids=self.ids, skip_special_tokens=skip_special_tokens)
+
 
 def priming(tokenizer: Any, prompt_ids: Sequence[int], skip_special_tokens: bool) -> Priming | None:
     """The stream for a request's prompt, or None to keep vLLM's (primed with the whole prompt).
@@ -108,7 +116,6 @@ def probe() -> str | None:
 
 def apply() -> None:
     """vLLM's fast detokenizer primes each new stream as :func:`priming` says."""
-    import tokenizers
     from vllm.v1.engine import detokenizer
 
     cls = detokenizer.FastIncrementalDetokenizer
@@ -118,10 +125,8 @@ def apply() -> None:
     def __init__(self: Any, tokenizer: Any, request: Any) -> None:
         vllms_init(self, tokenizer, request)  # primes with the whole prompt: cheap until its first step
         how = priming(self.tokenizer, request.prompt_token_ids or (), self.skip_special_tokens)
-        if how is not None and how.said is not None:
-            self.stream = Unrepeated(how.ids, how.said, self.skip_special_tokens)
-        elif how is not None:
-            self.stream = tokenizers.decoders.DecodeStream(ids=how.ids, skip_special_tokens=self.skip_special_tokens)
+        if how is not None:
+            self.stream = how.stream(self.skip_special_tokens)
 
     __init__._hybrid_pd_suffix = True  # type: ignore[attr-defined]
     cls.__init__ = __init__
