@@ -31,6 +31,10 @@
 #   python3 ../2026-11-27-h100-handoff-probe/analyze.py $DIR/probe $DIR/timeline; per_call.py $DIR/probe (run8-probe/).
 # Run 9 (run9.env, ONE GPU): run 8's layout without the probe, after detok_suffix's fix of prompts ending in U+FFFD
 #   (run9-unrepeated/; run as one call after the kit's calls 1-2: run.sh start, then run.sh pack).
+# Run 10 (run10.env, ONE GPU): what costs the decode worker its +3-4% TPOT at 1 in flight against the colocated server
+#   (runs 7-9): whole requests (no split) on decode workers as shipped, with the attention KV cache in NHD instead of the
+#   HND vLLM's NIXL connector sets, and without idle_poll, against colocated servers in NHD and HND (run10-tpot/).
+#   A server's extra flags may set its environment: env:NAME=VALUE.
 # Calls (the machine goes cold ~30 s after a call: never leave a gap):
 #   call 3: bash .gpu/c3/unpack.sh --all .gpu/c3/c3.tar.xz || exit; source .gpu/c3/env.sh; bash hybrid_pd/bench/results/2026-11-28-gpu-multiturn-timeline/run.sh start
 #   call 4: bash /tmp/site/.gpu-payload/unpack.sh --all >/dev/null || exit; source /tmp/site/.gpu-payload/env.sh; bash hybrid_pd/bench/results/2026-11-28-gpu-multiturn-timeline/run.sh wait 500; bash hybrid_pd/bench/results/2026-11-28-gpu-multiturn-timeline/run.sh pack
@@ -58,9 +62,10 @@ COMMON=(--model $M --served-model-name $NAME --device $DEVICE --max-model-len ${
 # name role gpu port side-channel-port extra...
 SERVERS=${SERVERS:-"pre:prefill:0:8100:5600 dec:decode:1:8101:5601 flex0:flex:0:8102:5602 flex1:flex:1:8103:5603"}  # name:role:gpu:port:side channel[:extra flags, comma-separated]
 PAIRS=${PAIRS:-"ded:8110:8100:8101 flex:8111:8102:8103"}  # router name:port:prefill port:decode port
-serve() {
-  local name=$1 role=$2 gpu=$3 port=$4 sc=$5; shift 5
-  CUDA_VISIBLE_DEVICES=$gpu setsid python3 -m hybrid_pd.cli $role "${COMMON[@]}" --port $port --side-channel-port $sc "$@" \
+serve() {  # name role gpu port side-channel-port [flag | env:NAME=VALUE]...
+  local name=$1 role=$2 gpu=$3 port=$4 sc=$5 a envs=() flags=(); shift 5
+  for a in "$@"; do [[ $a == env:* ]] && envs+=("${a#env:}") || flags+=("$a"); done
+  env "${envs[@]}" CUDA_VISIBLE_DEVICES=$gpu setsid python3 -m hybrid_pd.cli $role "${COMMON[@]}" --port $port --side-channel-port $sc "${flags[@]}" \
     > $DIR/logs/$name.log 2>&1 < /dev/null &
   echo $! > $DIR/pid-$name
 }
