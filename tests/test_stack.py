@@ -37,9 +37,21 @@ def test_flexible_workers_go_behind_the_router_with_its_extra_flags_and_record_n
     assert all(len(_flag(s.argv, "--side-channel-port")) == 1 and _flag(s.argv, "--timeline-dir") == [] for s in stack.workers("flex"))
 
 
-def test_cpu_workers_are_pinned_to_cores_in_turn():
-    binds = [_flag(s.argv, "--cpu-threads-bind") for s in _stack(prefill=1, decode=1).workers("prefill") + _stack().workers("decode")]
-    assert all(len(b) == 1 for b in binds)
+def _binds(stack: Stack) -> dict[str, int]:
+    return {s.name: int(core) for s in stack.services for core in _flag(s.argv, "--cpu-threads-bind")}
+
+
+def test_cpu_decode_workers_never_share_a_core_with_a_prefill_worker_where_there_is_one_to_spare(monkeypatch):
+    """The e2e session's stack on the 2-core VM: its second decode worker had shared core 0 with the prefill worker, and
+    that pair's first pull stalled (docs/reliability.md); the first decode worker, on core 1, never did."""
+    monkeypatch.setattr("hybrid_pd.stack._cores", lambda: 2)
+    assert _binds(_stack(prefill=1, decode=2, baseline=True)) == {"prefill-0": 0, "decode-0": 1, "decode-1": 1, "colocated-0": 1}
+    assert _binds(_stack(prefill=1, decode=1, baseline=True)) == {"prefill-0": 0, "decode-0": 1, "colocated-0": 1}
+    monkeypatch.setattr("hybrid_pd.stack._cores", lambda: 4)
+    assert _binds(_stack(prefill=2, decode=3)) == {"prefill-0": 0, "prefill-1": 1, "decode-0": 2, "decode-1": 3, "decode-2": 2}
+    assert _binds(_stack(prefill=0, decode=0, flex=3, baseline=True)) == {"flex-0": 0, "flex-1": 1, "flex-2": 2, "colocated-0": 3}
+    monkeypatch.setattr("hybrid_pd.stack._cores", lambda: 1)  # no core to spare: all on the one
+    assert set(_binds(_stack(prefill=1, decode=2)).values()) == {0}
     assert _flag(_stack(device="cuda").services[0].argv, "--cpu-threads-bind") == []
 
 

