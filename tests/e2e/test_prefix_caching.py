@@ -37,8 +37,10 @@ def _ids(n: int, start: int) -> list[int]:
     return [(start + 13 * i) % 480 + 10 for i in range(n)]
 
 
-# A 300-token system prompt, then turns of 40, 60 and 70 tokens: 340, 400 and 470 tokens of prompt.
-SYSTEM = _ids(300, 7)
+# A 300-token system prompt, then turns of 40, 60 and 70 tokens: 340, 400 and 470 tokens of prompt. The session's
+# workers cache what earlier tests sent (tests/e2e/test_pd_equivalence.py: _ids from 7, 3, 1 and 200): a start none of
+# them uses, or turn 1 hits their blocks.
+SYSTEM = _ids(300, 61)
 TURNS = [SYSTEM + _ids(40, 3), SYSTEM + _ids(40, 3) + _ids(60, 5), SYSTEM + _ids(40, 3) + _ids(60, 5) + _ids(70, 11)]
 
 
