@@ -35,7 +35,6 @@
 #   (runs 7-9): whole requests (no split) on decode workers as shipped, with the attention KV cache in NHD instead of the
 #   HND vLLM's NIXL connector sets, and without idle_poll, against colocated servers in NHD and HND (run10-tpot/).
 #   A server's extra flags may set its environment: env:NAME=VALUE.
-# Run 11 (run11.env, ONE GPU): vLLM 0.26 under the worker's own temporary directory; what it leaves in TMPDIR (run11-scratch/).
 # Calls (the machine goes cold ~30 s after a call: never leave a gap):
 #   call 3: bash .gpu/c3/unpack.sh --all .gpu/c3/c3.tar.xz || exit; source .gpu/c3/env.sh; bash hybrid_pd/bench/results/2026-11-28-gpu-multiturn-timeline/run.sh start
 #   call 4: bash /tmp/site/.gpu-payload/unpack.sh --all >/dev/null || exit; source /tmp/site/.gpu-payload/env.sh; bash hybrid_pd/bench/results/2026-11-28-gpu-multiturn-timeline/run.sh wait 500; bash hybrid_pd/bench/results/2026-11-28-gpu-multiturn-timeline/run.sh pack
