@@ -7,12 +7,10 @@ in seconds; tests/e2e/test_worker_start_failure.py starts the real one.
 from __future__ import annotations
 
 import json
-import os
 import re
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 
 import pytest
@@ -21,7 +19,6 @@ import hybrid_pd.worker.run as worker
 from hybrid_pd.common.processes import free_port
 from hybrid_pd.connector.launch import Launch
 from hybrid_pd.worker.run import run_worker
-from hybrid_pd.worker.scratch import scratch_dir
 from hybrid_pd.worker.settings import WorkerSettings
 
 
@@ -235,33 +232,3 @@ def test_while_serving_a_process_that_waited_60_s_for_another_gets_the_stacks_lo
     assert "--- vLLM's API server (pid " in stacks and "wait_for_the_model_worker" in stacks, stacks
     (ended,) = [m for m in messages if m.startswith("vLLM ended")]
     assert messages.index(stacks) < messages.index(ended)
-
-
-def test_the_sockets_and_file_store_vllm_leaves_are_removed_before_it_starts_and_after_it_ended(model_dir, monkeypatch, tmp_path):
-    """vLLM removes neither its ZMQ sockets nor its file store, stopped or killed (hybrid_pd.worker.scratch): the
-    worker gives it a temporary directory of its own and clears them from it; what else vLLM keeps there stays."""
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
-    (tmp_path / "tmp").mkdir()
-    port = free_port()
-    scratch = scratch_dir(port)
-    with socket.socket(socket.AF_UNIX) as earlier:  # what a vLLM killed before left
-        earlier.bind(str(scratch / "earlier-socket"))
-    seen = tmp_path / "seen.json"
-    stand_in = (
-        "import json, os, socket, sys, tempfile\n"
-        "d = tempfile.gettempdir()\n"
-        f"json.dump({{'dir': d, 'at_start': sorted(os.listdir(d))}}, open({str(seen)!r}, 'w'))\n"
-        "socket.socket(socket.AF_UNIX).bind(os.path.join(d, 'a1b2c3'))\n"  # a ZMQ ipc:// endpoint
-        "open(os.path.join(d, 'vllm_dist_0123abcd'), 'w').close()\n"
-        "open(os.path.join(d, 'kernel-cache'), 'w').close()\n"
-        "sys.exit(1)\n"
-    )
-    code, _ = _run_stand_in(monkeypatch, model_dir, stand_in, port=port)
-    assert code == worker.EXIT_VLLM_FAILED
-    record = json.loads(seen.read_text())
-    assert record == {"dir": str(scratch), "at_start": []}
-    assert sorted(os.listdir(scratch)) == ["kernel-cache"]
-    assert os.listdir(tmp_path / "tmp") == [scratch.name]
-    os.unlink(scratch / "kernel-cache")
-    code, _ = _run_stand_in(monkeypatch, model_dir, "import sys; sys.exit(1)", port=port)
-    assert os.listdir(tmp_path / "tmp") == [], "a directory vLLM left nothing in is removed"

@@ -37,7 +37,6 @@ from hybrid_pd.connector.model_check import check_model
 from hybrid_pd.connector.vllm.capabilities import checked
 from hybrid_pd.worker.plugin_registration import plugin_path
 from hybrid_pd.worker.registration import RouterLink, cache_facts, running_requests
-from hybrid_pd.worker.scratch import clear_rendezvous, release, scratch_dir, scratch_env
 from hybrid_pd.worker.settings import WorkerSettings
 from hybrid_pd.worker.stacks import dump_stacks
 from hybrid_pd.worker.supervise import (
@@ -156,18 +155,7 @@ def run_worker(role: Role, settings: WorkerSettings) -> int:
     log.info("vLLM command: %s", " ".join(launch.argv))
     for reason in launch.reasons:
         log.info("%s", reason)
-    scratch = scratch_dir(settings.port)
-    if left := clear_rendezvous(scratch):
-        log.info("removed the sockets and file stores an earlier vLLM left %s", kv(role=role, dir=scratch, files=len(left)))
-    proc = spawn(launch.argv, {**with_plugin(launch.env), **scratch_env(scratch)}, log=subprocess.PIPE)
-    try:
-        return _supervise(role, settings, spec, proc)
-    finally:
-        release(scratch)  # vLLM removes none of its sockets, stopped or killed (hybrid_pd.worker.scratch)
-
-
-def _supervise(role: Role, settings: WorkerSettings, spec: WorkerSpec, proc: subprocess.Popen) -> int:
-    """Watch the vLLM server ``proc`` until it fails or we are told to stop, then stop it; return the exit code."""
+    proc = spawn(launch.argv, with_plugin(launch.env), log=subprocess.PIPE)
     relay = OutputRelay(proc.stdout)
 
     stopping = threading.Event()
