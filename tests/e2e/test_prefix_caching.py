@@ -12,7 +12,6 @@ mamba_mixer2: hybrid_pd/connector/vllm/cpu_prefix_caching.py).
 
 from __future__ import annotations
 
-import sys
 import uuid
 from dataclasses import dataclass
 
@@ -20,10 +19,12 @@ import httpx
 import pytest
 
 from hybrid_pd.bench.multiturn import Conversations, measure, table
-from hybrid_pd.common.processes import free_port, spawn, stop_group, wait_http_ok
+from hybrid_pd.bench.router.fake_upstream import serve_in_thread
 from hybrid_pd.connector.plan import model_shape, plan_transfer
+from hybrid_pd.router.app import create_app
+from hybrid_pd.router.settings import RouterSettings
 from hybrid_pd.stack import Stack
-from tests.e2e.support import metric, settled
+from tests.e2e.support import metric, settled, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -55,19 +56,14 @@ class CachingPair:
 
 
 @pytest.fixture(scope="module")
-def caching_pair(stack: Stack, tmp_path_factory) -> CachingPair:
-    """The router only: workers are the session's (a stack of its own cost CI ~100 s to start two more vLLMs)."""
+def caching_pair(stack: Stack) -> CachingPair:
+    """The router only, in this process: workers are the session's (a stack of its own cost CI ~100 s to start two more vLLMs)."""
     prefill, decode = stack.workers("prefill")[0].url, stack.workers("decode")[0].url
-    port = free_port()
-    argv = [sys.executable, "-m", "hybrid_pd.cli", "router", "--host", "127.0.0.1", "--port", str(port), "--prefill", prefill,
-            "--decode", decode, "--decode-policy", "prefix_reuse", "--prefill-policy", "prefix_reuse"]  # fmt: skip
-    router = spawn(argv, log=tmp_path_factory.mktemp("caching-router") / "router.log")
-    try:
-        url = f"http://127.0.0.1:{port}"
-        assert wait_http_ok(url + "/health", lambda: router.poll() is None, 60), "the caching router did not start"
+    settings = RouterSettings(prefill=[prefill], decode=[decode], decode_policy="prefix_reuse", prefill_policy="prefix_reuse")
+    with serve_in_thread(create_app(settings), lifespan="on") as url:
+        available = lambda: httpx.get(url + "/health").json()["available"]  # noqa: E731
+        assert wait_for(lambda: len(available()["prefill"]) == len(available()["decode"]) == 1, timeout_s=60)
         yield CachingPair(url, prefill, decode, stack.config.model)
-    finally:
-        stop_group(router)
 
 
 def _greedy(client: httpx.Client, prompt: list[int], salted: bool = False) -> tuple[list[int], list[float]]:
