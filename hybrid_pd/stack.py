@@ -59,6 +59,7 @@ class StackConfig:
     log_dir: Path = field(default_factory=lambda: Path.cwd() / ".hybrid-pd" / "logs")
     ready_timeout_s: float = field(default_factory=_ready_timeout_s)
     worker_args: tuple[str, ...] = ()
+    decode_args: tuple[tuple[str, ...], ...] = ()  # more flags of the i-th decode worker (an early-leg hold, say)
     timeline_dir: Path | None = None  # the router and the P/D workers record the hand-off timeline here
     router_args: tuple[str, ...] = ()  # more flags of the router (its SLOs, say)
     restarts: int = 3  # tries in a row to start a failed worker again; one that gets ready again has them all back
@@ -137,6 +138,8 @@ class Stack:
                 ]  # fmt: skip
                 if role != "colocated":
                     argv += ["--side-channel-port", str(free_port())]
+                if role == "decode" and i < len(cfg.decode_args):
+                    argv += cfg.decode_args[i]
                 if role in ("prefill", "decode") and cfg.timeline_dir:  # the timeline is a prefill's and a decode's
                     argv += ["--timeline-dir", str(cfg.timeline_dir)]
                 if cfg.device == "cpu":

@@ -34,6 +34,7 @@ class Workers:
         self.decode_stream: list[bytes] | None = None
         self.decode_breaks = False
         self.handoff = False  # whether they answer the early decode leg's probe (hybrid_pd/connector/vllm/handoff.py)
+        self.inbox: str | None = None  # the decode engine's inbox the probe names (its scheduler holds early legs)
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         worker = "prefill" if request.url.host == "prefill.test" else "decode"
@@ -41,7 +42,8 @@ class Workers:
             if request.url.path == "/v1/models":
                 return httpx.Response(200, json={"object": "list", "data": [{"id": "m", "root": f"/{worker}"}]})
             if request.url.path == HANDOFF_PATH:
-                return httpx.Response(200 if self.handoff else 404, json={})
+                inbox = {"inbox": self.inbox} if self.inbox and worker == "decode" else {}
+                return httpx.Response(200 if self.handoff else 404, json={"handoff": 1, **inbox} if self.handoff else {})
             return httpx.Response(200, json={"version": "test"} if request.url.path == "/version" else {})
         body = json.loads(request.content) if request.content else {}
         self.calls.append((worker, body, request.headers))

@@ -72,6 +72,21 @@ async def test_the_decode_leg_is_in_flight_while_the_prefill_runs_and_both_legs_
     assert 'hybrid_pd_disaggregated_total{reason="disaggregated"} 1.0' in metrics
 
 
+@pytest.mark.parametrize("inbox", ["tcp://10.0.0.7:6123", "not-a-zmq-address"])
+async def test_the_prefill_pushes_to_the_decode_engines_inbox_where_its_probe_names_one(early_workers, inbox):
+    """A decode worker whose scheduler holds early legs (hybrid_pd/connector/vllm/scheduler_hold.py) names its engine's inbox
+    in the probe's answer: the prefill pushes there, not to its server. Anything but a tcp:// address is not an inbox."""
+    early_workers.inbox = inbox
+    app = router_app(early_workers)
+    async with app.router.lifespan_context(app):
+        await probed(app, lambda w: w.identity.handoff is not None)
+        async with asgi_client(app) as client:
+            r = await client.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 8})
+    assert r.status_code == 200
+    legs = {worker: body for worker, body, _ in early_workers.calls}
+    assert legs["prefill"]["kv_transfer_params"][HANDOFF_URL_PARAM] == (inbox if inbox.startswith("tcp://") else DECODE)
+
+
 async def test_every_pair_gets_its_own_key(early, early_workers):
     client, _ = early
     for _ in range(2):

@@ -11,7 +11,21 @@ import json
 import pytest
 
 from hybrid_pd.bench.budget import budget, budgets, format_budget
-from hybrid_pd.bench.timeline import CHAIN, EARLY_CHAIN, EARLY_SEGMENTS, HELD_CHAIN, HELD_SEGMENTS, RESIDUAL, SEGMENTS, load_events, request_group, router_spans, timelines
+from hybrid_pd.bench.timeline import (
+    CHAIN,
+    EARLY_CHAIN,
+    EARLY_SEGMENTS,
+    HELD_CHAIN,
+    HELD_SEGMENTS,
+    RESIDUAL,
+    SCHEDULER_CHAIN,
+    SCHEDULER_SEGMENTS,
+    SEGMENTS,
+    load_events,
+    request_group,
+    router_spans,
+    timelines,
+)
 from hybrid_pd.connector.trace.timeline import TimelineWriter
 
 
@@ -74,18 +88,27 @@ def test_every_segment_of_a_whole_request_is_measured_and_they_add_up_to_the_rou
     assert found.residual_s == pytest.approx(0.0, abs=1e-9)
 
 
-@pytest.mark.parametrize(("chain", "segments", "kind"), [(EARLY_CHAIN, EARLY_SEGMENTS, "early"), (HELD_CHAIN, HELD_SEGMENTS, "held")], ids=["held-in-server", "held-in-engine-client"])
+@pytest.mark.parametrize(
+    ("chain", "segments", "kind"),
+    [(EARLY_CHAIN, EARLY_SEGMENTS, "early"), (HELD_CHAIN, HELD_SEGMENTS, "held"), (SCHEDULER_CHAIN, SCHEDULER_SEGMENTS, "scheduler")],
+    ids=["held-in-server", "held-in-engine-client", "held-in-scheduler"],
+)
 def test_an_early_decode_legs_request_is_measured_along_its_own_chain(tmp_path, chain, segments, kind):
     """The early leg went to the decode worker before the prefill leg: its trip is off the chain, the push on it. Held in
-    vLLM's engine client, its parsing and rendering ran during the prefill too: off the chain, the release on it."""
+    vLLM's engine client, its parsing and rendering ran during the prefill too: off the chain, the release on it. Held in
+    vLLM's scheduler, it reached the engine during the prefill as well: the push taken there is on the chain."""
     total = _trace(tmp_path, chain=chain)
     with (tmp_path / "timeline-router-1.jsonl").open("a") as f:  # the early leg's own trip, during the prefill
         f.write(json.dumps({"ev": "decode_sent", "rid": "run-endpoint-c1-0", "mono": 1000.0005 - 10.0, "wall": 1000.0005}) + "\n")
+    if kind == "scheduler":  # the decode engine queued the leg during the prefill
+        with (tmp_path / "timeline-decode-4.jsonl").open("a") as f:
+            f.write(json.dumps({"ev": "queued", "rid": "run-endpoint-c1-0", "req": "cmpl-run-endpoint-c1-0-0-bbbb", "mono": 1000.0008 - 30.0, "wall": 1000.0008}) + "\n")
     (found,) = timelines(load_events(tmp_path))
     assert found.chain == kind and found.complete and found.ttft_s == pytest.approx(total)
     assert list(found.segments) == [s.name for s in segments]
     assert "handoff_push" in found.segments and "prefill_answer" not in found.segments
     assert ("decode_frontend" in found.segments) == (kind == "early") and ("handoff_release" in found.segments) == (kind == "held")
+    assert ("decode_to_engine" in found.segments) == (kind != "scheduler")
     assert found.residual_s == pytest.approx(0.0, abs=1e-9)
     b = budget("g", [found])
     assert [r.name for r in b.rows] == [s.name for s in segments] + [RESIDUAL.name]

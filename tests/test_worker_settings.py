@@ -9,7 +9,9 @@ import pytest
 
 from hybrid_pd.cli import build_parser
 from hybrid_pd.common.cli_flags import given
-from hybrid_pd.connector.launch import WorkerSpec
+from hybrid_pd.connector.contract import HANDOFF_INBOX_ENV
+from hybrid_pd.connector.identity import worker_identity
+from hybrid_pd.connector.launch import WorkerSpec, build_launch
 from hybrid_pd.worker import ROLES
 from hybrid_pd.worker.settings import WorkerSettings
 
@@ -18,7 +20,7 @@ FLAGS = [
     "--model", "--served-model-name", "--host", "--port", "--side-channel-host", "--side-channel-port", "--device",
     "--tensor-parallel-size", "--dtype", "--max-model-len", "--max-num-seqs", "--kv-cache-memory-bytes",
     "--gpu-memory-utilization", "--cpu-threads-bind", "--ready-timeout-s", "--kv-lease-s", "--ucx-net-devices",
-    "--merge-descriptors", "--no-merge-descriptors", "--pull-await-us", "--early-leg-hold", "--nixl-trace-dir", "--timeline-dir", "--decode-row-fix", "--router-url",
+    "--merge-descriptors", "--no-merge-descriptors", "--pull-await-us", "--early-leg-hold", "--handoff-port", "--nixl-trace-dir", "--timeline-dir", "--decode-row-fix", "--router-url",
     "--router-every-address", "--no-router-every-address", "--advertise-url",
     "--drain-timeout-s", "--start-stall-s", "--serve-stall-s", "--speculative-config", "--vllm-arg", "--skip-engine-fix", "--dry-run",
 ]  # fmt: skip
@@ -80,6 +82,18 @@ def test_the_spec_takes_every_setting_it_shares_by_name(tmp_path):
     assert shared >= {"port", "dtype", "vllm_args", "merge_descriptors", "kv_lease_s"}
     assert {n: getattr(spec, n) for n in shared} == {n: getattr(settings, n) for n in shared}
     assert (spec.role, spec.seed, spec.rdma_devices) == ("prefill", 0, ())
+
+
+def test_a_decode_worker_whose_scheduler_holds_early_legs_gets_a_free_port_for_its_inbox_unless_given_one(tmp_path):
+    held = WorkerSettings(model=str(tmp_path), served_model_name="m", side_channel_host="10.0.0.7", early_leg_hold="scheduler")
+    picked = held.spec("decode").handoff_port
+    assert picked and picked != held.spec("decode").handoff_port  # a free port, picked per start
+    assert held.spec("prefill").handoff_port is None  # a prefill holds no early legs
+    given = held.model_copy(update={"handoff_port": 6123}).spec("flex")
+    assert worker_identity(given, block_size=None).handoff_inbox == "tcp://10.0.0.7:6123"
+    assert build_launch(given).env[HANDOFF_INBOX_ENV] == "tcp://10.0.0.7:6123"
+    engine_held = WorkerSettings(model=str(tmp_path), served_model_name="m").spec("decode")
+    assert engine_held.handoff_port is None and worker_identity(engine_held, block_size=None).handoff_inbox is None
 
 
 def test_the_speculative_config_is_one_canonical_json_object_and_only_given_by_its_flag():

@@ -12,7 +12,8 @@ has a chain of its own: from the prefill's end it goes through the push (``hando
 decode's engine; the early leg's own trip to the decode worker ran during the prefill, off the
 chain. Held in the decode worker's server (:data:`EARLY_CHAIN`), it is parsed and rendered after
 the push; held in vLLM's engine client (:data:`HELD_CHAIN`, ``handoff_released``), it was parsed
-and rendered during the prefill, off the chain too. The router's TTFT (``http_in`` to
+and rendered during the prefill, off the chain too; held in vLLM's scheduler (:data:`SCHEDULER_CHAIN`,
+``handoff_taken``), it reached the engine during the prefill and the push goes to the engine itself. The router's TTFT (``http_in`` to
 ``http_out`` on its monotonic clock) is the total; the segments telescope, so they add up to
 it exactly when every event is there, and what a missing event leaves uncovered is the
 ``residual``, shown as a segment of its own, never spread over the others.
@@ -38,8 +39,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["CHAIN", "CHAINS", "EARLY_CHAIN", "EARLY_SEGMENTS", "HELD_CHAIN", "HELD_SEGMENTS", "Event", "ROUTER_SPANS", "RequestTimeline", "Segment",
-           "SEGMENTS", "join", "load_events", "request_group", "router_spans", "timelines"]
+__all__ = ["CHAIN", "CHAINS", "EARLY_CHAIN", "EARLY_SEGMENTS", "HELD_CHAIN", "HELD_SEGMENTS", "SCHEDULER_CHAIN", "SCHEDULER_SEGMENTS", "Event",
+           "ROUTER_SPANS", "RequestTimeline", "Segment", "SEGMENTS", "join", "load_events", "request_group", "router_spans", "timelines"]
 
 Mark = tuple[str, str]  # (source, event)
 
@@ -96,6 +97,14 @@ HELD_CHAIN: tuple[tuple[Mark, str, str], ...] = (
     *_DECODE_ENGINE,
 )
 
+# Held in vLLM's scheduler (hybrid_pd/connector/vllm/scheduler_hold.py): the leg reached the engine during the prefill; the
+# push goes to the engine itself.
+SCHEDULER_CHAIN: tuple[tuple[Mark, str, str], ...] = (
+    *_PREFILL_LEG,
+    (("decode", "handoff_taken"), "handoff_push", "prefill's engine -> its push taken by the decode's scheduler"),
+    *_DECODE_ENGINE,
+)
+
 
 def _segments(chain: tuple[tuple[Mark, str, str], ...]) -> tuple[Segment, ...]:
     return tuple(Segment(name, label, chain[i - 1][0], mark) for i, (mark, name, label) in enumerate(chain) if i > 0)
@@ -104,8 +113,10 @@ def _segments(chain: tuple[tuple[Mark, str, str], ...]) -> tuple[Segment, ...]:
 SEGMENTS = _segments(CHAIN)
 EARLY_SEGMENTS = _segments(EARLY_CHAIN)
 HELD_SEGMENTS = _segments(HELD_CHAIN)
-# Each request's chain by name (RequestTimeline.chain): the legs one after the other, an early leg held in the server, or in the engine client.
-CHAINS: dict[str, tuple[Segment, ...]] = {"sequential": SEGMENTS, "early": EARLY_SEGMENTS, "held": HELD_SEGMENTS}
+SCHEDULER_SEGMENTS = _segments(SCHEDULER_CHAIN)
+# Each request's chain by name (RequestTimeline.chain): the legs one after the other, an early leg held in the server, in the
+# engine client, or in the scheduler.
+CHAINS: dict[str, tuple[Segment, ...]] = {"sequential": SEGMENTS, "early": EARLY_SEGMENTS, "held": HELD_SEGMENTS, "scheduler": SCHEDULER_SEGMENTS}
 RESIDUAL = Segment("residual", "residual (TTFT not covered by the segments above)", CHAIN[0][0], CHAIN[-1][0])
 
 # Events a TP group's every rank writes: the pull is posted when the first rank posts and done when the last is.
@@ -228,7 +239,7 @@ class RequestTimeline:
         def ms(value: float | None) -> float | None:
             return None if value is None else round(value * 1e3, 4)
 
-        out: dict[str, object] = {"rid": self.rid, "ttft_ms": ms(self.ttft_s)}
+        out: dict[str, object] = {"rid": self.rid, "chain": self.chain, "ttft_ms": ms(self.ttft_s)}
         out["segments_ms"] = {name: ms(v) for name, v in self.segments.items()} | {RESIDUAL.name: ms(self.residual_s)}
         if self.repeated:
             out["repeated"] = True
@@ -241,7 +252,8 @@ def request_timeline(rid: str, marks: Marks) -> RequestTimeline | None:
     if arrived is None or answered is None:
         return None
     ttft = between(arrived, answered)
-    chain = "held" if ("decode", "handoff_released") in marks.events else "early" if ("decode", "handoff_in") in marks.events else "sequential"
+    chain = ("scheduler" if ("decode", "handoff_taken") in marks.events else "held" if ("decode", "handoff_released") in marks.events
+             else "early" if ("decode", "handoff_in") in marks.events else "sequential")  # fmt: skip
     segments: dict[str, float | None] = {}
     for segment in CHAINS[chain]:
         start, end = marks.events.get(segment.start), marks.events.get(segment.end)

@@ -55,6 +55,9 @@ class WorkerIdentity:
     # Whether it takes early decode legs and pushes hand-offs (hybrid_pd.connector.vllm.handoff; its vLLM server
     # answers GET HANDOFF_PATH); None: unknown. Not a pairing rule: the router sends such a pair's legs at once.
     handoff: bool | None = None
+    # Where its engine takes the prefill's pushes itself (tcp://host:port: its early legs wait in vLLM's scheduler,
+    # hybrid_pd.connector.vllm.scheduler_hold); None: at its server's HANDOFF_PATH. Not a pairing rule.
+    handoff_inbox: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -19,6 +19,7 @@ __all__ = [
     "ENGINE_FIXES",
     "ENGINE_FIXES_ENV",
     "FAILED_PULLS",
+    "HANDOFF_INBOX_ENV",
     "HANDOFF_KEY_HEADER",
     "HANDOFF_KEY_PARAM",
     "HANDOFF_PATH",
@@ -56,7 +57,8 @@ DELAY_ENV = "HYBRID_PD_NIXL_PROGRESS_DELAY_US"  # nixl_progress: microseconds be
 MERGE_ENV = "HYBRID_PD_NIXL_MERGE_DESCRIPTORS"  # nixl_merge: "1" posts adjacent reads as one
 TRACE_ENV = "HYBRID_PD_NIXL_TRACE_DIR"  # nixl_trace: folder of the transfer trace
 AWAIT_ENV = "HYBRID_PD_PULL_AWAIT_US"  # pull_await: microseconds a step waits for its own pulls
-EARLY_LEG_HOLD_ENV = "HYBRID_PD_EARLY_LEG_HOLD"  # handoff: "server" holds early decode legs in the server, not vLLM's engine client
+EARLY_LEG_HOLD_ENV = "HYBRID_PD_EARLY_LEG_HOLD"  # handoff: "server" or "scheduler" holds early decode legs there, not in vLLM's engine client
+HANDOFF_INBOX_ENV = "HYBRID_PD_HANDOFF_INBOX"  # scheduler_hold: tcp://host:port, where the decode engine takes pushes
 TEST_ONLY_DISABLE_ENV = "HYBRID_PD_TEST_ONLY_DISABLE_DECODE_ROW_FIX"  # decode_rows: the negative control
 
 # Fixes of vLLM's engine our vLLM plugin applies in every process of a server that names them, comma-separated
@@ -77,10 +79,11 @@ TIMELINE_SOURCE_ENV = "HYBRID_PD_TIMELINE_SOURCE"
 # The early decode leg (hybrid_pd.connector.vllm.handoff): the router sends the decode leg with the prefill leg; the
 # prefill's engine pushes the state's whereabouts (its kv_transfer_params) to the decode worker's vLLM server at
 # HANDOFF_PATH the moment the prefill ends, where the early leg waits for them. A worker whose server answers
-# GET HANDOFF_PATH with 200 takes part. The legs' kv_transfer_params name the hand-off:
+# GET HANDOFF_PATH with 200 takes part; where its engine takes the pushes itself (scheduler_hold), the answer's JSON
+# names that inbox ({"handoff": 1, "inbox": "tcp://host:port"}). The legs' kv_transfer_params name the hand-off:
 HANDOFF_PATH = "/hybrid_pd/handoff"
 HANDOFF_KEY_PARAM = "hybrid_pd_handoff_key"  # both legs: the pair's key, the same on both
-HANDOFF_URL_PARAM = "hybrid_pd_handoff_url"  # the prefill leg: the decode worker's vLLM server, where to push
+HANDOFF_URL_PARAM = "hybrid_pd_handoff_url"  # the prefill leg: where to push (the decode worker's vLLM server, or its engine's inbox)
 # The early decode leg says so in this header too: the decode worker's server reads the body of such a leg only, and
 # lets every other request through to vLLM as it came.
 HANDOFF_KEY_HEADER = "x-hybrid-pd-handoff-key"

@@ -12,7 +12,7 @@ import importlib.metadata
 
 from hybrid_pd.connector.compat import NO_SPECULATION, WorkerIdentity
 from hybrid_pd.connector.contract import CONV_STATE_LAYOUT
-from hybrid_pd.connector.launch import WorkerSpec, dtype
+from hybrid_pd.connector.launch import WorkerSpec, dtype, handoff_inbox
 
 __all__ = ["worker_identity"]
 
@@ -44,4 +44,5 @@ def worker_identity(spec: WorkerSpec, block_size: int | None, prefix_hit_tokens:
         nixl_version=_version("nixl"),
         capabilities=dict(spec.capabilities) or None,
         handoff=spec.role != "colocated",
+        handoff_inbox=handoff_inbox(spec),
     )

@@ -17,6 +17,7 @@ from typing import Literal
 from hybrid_pd.connector.contract import (
     AWAIT_ENV,
     EARLY_LEG_HOLD_ENV,
+    HANDOFF_INBOX_ENV,
     CAPABILITIES_ENV,
     CONV_STATE_LAYOUT,
     CPU_PREFIX_CACHING,
@@ -33,7 +34,7 @@ from hybrid_pd.connector.contract import (
 )
 from hybrid_pd.connector.plan import ModelShape, readable_shape
 
-__all__ = ["Launch", "Role", "Device", "WorkerSpec", "build_launch", "dtype", "kv_transfer_config"]
+__all__ = ["Launch", "Role", "Device", "WorkerSpec", "build_launch", "dtype", "handoff_inbox", "kv_transfer_config"]
 
 Role = Literal["prefill", "decode", "flex", "colocated"]
 Device = Literal["cpu", "cuda"]
@@ -85,6 +86,7 @@ class WorkerSpec:
     merge_descriptors: bool = True
     pull_await_us: int | None = None  # None: GPU_PULL_AWAIT_US on GPUs, 0 on CPU (pull_await_env)
     early_leg_hold: str = "engine"  # where early decode legs wait for their push (hybrid_pd.connector.vllm.handoff)
+    handoff_port: int | None = None  # early_leg_hold "scheduler", decode and flex: the port the engine takes pushes on (handoff_inbox)
     speculative_config: str | None = None  # vLLM's --speculative-config JSON (the settings' canonical form)
     vllm_args: tuple[str, ...] = ()
     skip_engine_fixes: tuple[str, ...] = ()  # our plugin's fixes left out (ENGINE_FIXES), for an A/B against vLLM's own
@@ -94,6 +96,8 @@ class WorkerSpec:
     def __post_init__(self) -> None:
         if self.role != "colocated" and self.side_channel_port <= 0:
             raise ValueError(f"a {self.role} worker needs a NIXL side-channel port (got {self.side_channel_port})")
+        if self.early_leg_hold == "scheduler" and self.role in ("decode", "flex") and not self.handoff_port:
+            raise ValueError(f"a {self.role} worker holding early legs in vLLM's scheduler needs a port for its inbox (got {self.handoff_port})")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1 (got {self.tensor_parallel_size})")
 
@@ -233,10 +237,20 @@ def pull_await_env(spec: WorkerSpec) -> dict[str, str]:
 
 def early_leg_hold_env(spec: WorkerSpec) -> dict[str, str]:
     """Where a worker's early decode legs wait for their push: vLLM's engine client unless ``spec.early_leg_hold`` says the server
-    (:mod:`hybrid_pd.connector.vllm.handoff`; the server holds them anyway where vLLM's engine client lacks the method)."""
-    if spec.early_leg_hold != "server" or kv_role(spec.role) is None:
+    (:mod:`hybrid_pd.connector.vllm.handoff`; the server holds them anyway where vLLM's engine client lacks the method) or
+    vLLM's scheduler, with the inbox its engine takes pushes at (:mod:`hybrid_pd.connector.vllm.scheduler_hold`)."""
+    if spec.early_leg_hold == "engine" or kv_role(spec.role) is None:
         return {}
-    return {EARLY_LEG_HOLD_ENV: "server"}
+    inbox = handoff_inbox(spec)
+    return {EARLY_LEG_HOLD_ENV: spec.early_leg_hold, **({HANDOFF_INBOX_ENV: inbox} if inbox else {})}
+
+
+def handoff_inbox(spec: WorkerSpec) -> str | None:
+    """Where a decode or flex worker whose scheduler holds early legs takes the prefill's pushes: ``tcp://`` its side-channel host
+    (the address peers reach it on) and ``spec.handoff_port``; None where its early legs wait elsewhere."""
+    if spec.early_leg_hold != "scheduler" or spec.role not in ("decode", "flex"):
+        return None
+    return f"tcp://{spec.side_channel_host}:{spec.handoff_port}"
 
 
 def nixl_trace_env(spec: WorkerSpec) -> dict[str, str]:

@@ -45,7 +45,8 @@ _DROPPED_FOR_PREFILL = ("stream", "stream_options", "min_tokens")
 
 @dataclass(frozen=True)
 class Handoff:
-    """An early decode leg's pairing: the key both legs carry, and the decode worker's URL the prefill pushes to."""
+    """An early decode leg's pairing: the key both legs carry, and where the prefill pushes to (the decode worker's URL, or
+    its engine's inbox, ``tcp://host:port``, where its scheduler holds early legs)."""
 
     key: str
     decode_url: str

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 import uuid
@@ -261,6 +262,15 @@ class Registry:
             await asyncio.sleep(interval_s)
 
 
+def _inbox(probe_answer: bytes) -> str | None:
+    """The engine inbox a worker's hand-off probe names (``{"handoff": 1, "inbox": "tcp://host:port"}``); None where it names none."""
+    try:
+        inbox = json.loads(probe_answer).get("inbox")
+    except (ValueError, AttributeError):
+        return None
+    return inbox if isinstance(inbox, str) and inbox.startswith("tcp://") else None
+
+
 async def probe_identity(upstream: Upstream, url: str, role: RoleName) -> WorkerIdentity:
     """Identity of a plain vLLM server from what it exposes: model, version, block size.
 
@@ -273,13 +283,16 @@ async def probe_identity(upstream: Upstream, url: str, role: RoleName) -> Worker
         version = (await upstream.get(url + "/version", timeout=5)).json().get("version")
     except (httpx.HTTPError, ValueError):
         pass
-    handoff = None
+    handoff = inbox = None
     with contextlib.suppress(httpx.HTTPError):
-        handoff = (await upstream.get(url + HANDOFF_PATH, timeout=5)).status_code == 200
+        answer = await upstream.get(url + HANDOFF_PATH, timeout=5)
+        handoff = answer.status_code == 200
+        inbox = _inbox(answer.content) if handoff else None
     block_size = hit_tokens = None
     try:
         metrics = (await upstream.get(url + "/metrics", timeout=5)).text
         block_size, hit_tokens = cache_block_size(metrics), prefix_hit_tokens(metrics)
     except httpx.HTTPError:
         pass
-    return WorkerIdentity(role=role, model=entry["id"], block_size=block_size, prefix_hit_tokens=hit_tokens, vllm_version=version, handoff=handoff)
+    return WorkerIdentity(role=role, model=entry["id"], block_size=block_size, prefix_hit_tokens=hit_tokens, vllm_version=version, handoff=handoff,
+                          handoff_inbox=inbox)

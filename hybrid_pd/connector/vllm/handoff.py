@@ -27,13 +27,17 @@ Two parts, one per process they run in:
     0.26, Nemotron-H-8B) that work cost 2.9 ms at 1,000 prompt tokens and 5.7 ms at 8,000 after
     the push when the leg waited in the server;
   - else **in the server**, before vLLM reads it (the request with the router's
-    :data:`HANDOFF_KEY_HEADER`): any other request goes on to vLLM as it came, its body unread.
+    :data:`HANDOFF_KEY_HEADER`): any other request goes on to vLLM as it came, its body unread;
+  - or, chosen (``--early-leg-hold scheduler``), **in vLLM's scheduler**, the push sent by the prefill's engine
+    straight to the decode engine's inbox, not to this server (:mod:`hybrid_pd.connector.vllm.scheduler_hold`):
+    here the probe names that inbox and nothing is held.
 
-Why the request waits before the engine and not in it: a request waiting in vLLM's scheduler
-(its connector answering "ask again later") makes the engine step its model workers every
-millisecond for as long as the prefill runs; on the 2-core CPU machine that starved the prefill's
-own model worker, which vLLM 0.32 pins to the same core (issue #36), into a 60 s stall on the
-first request. Held before the engine core, the decode worker does nothing until the state exists.
+Why the request waits before the engine by default and not in it: a request waiting in vLLM's
+scheduler (its connector answering "ask again later") makes the engine step its model workers every
+millisecond for as long as the prefill runs (on the 2-core CPU machine, when the stack pinned a
+prefill and a decode worker to one core, that starved the prefill's model worker into a 60 s stall,
+issue #36). Held before the engine core, the decode worker does nothing until the state exists.
+Held in the scheduler (``--early-leg-hold scheduler``), it pays that CPU for the hops it saves.
 
 What can go wrong stays correct: a prefill that fails or refuses is the router's to handle (it
 closes the early leg, which never reached vLLM, and goes on as before); a push that never comes
@@ -59,11 +63,12 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 from urllib.parse import urlsplit
 
-from hybrid_pd.connector.contract import EARLY_LEG_HOLD_ENV, HANDOFF_KEY_HEADER, HANDOFF_KEY_PARAM, HANDOFF_PATH
+from hybrid_pd.connector.contract import EARLY_LEG_HOLD_ENV, HANDOFF_INBOX_ENV, HANDOFF_KEY_HEADER, HANDOFF_KEY_PARAM, HANDOFF_PATH
 from hybrid_pd.connector.trace.timeline import REQUEST_ID_PARAM, TimelineWriter
 from hybrid_pd.connector.trace.timeline import from_env as timeline_from_env
+from hybrid_pd.connector.vllm.scheduler_hold import held_key, parse_pushes
 
-__all__ = ["HandoffMiddleware", "Outbox", "WAIT_LIMIT_S", "hold_in_engine_client"]
+__all__ = ["HandoffMiddleware", "Outbox", "UNCLAIMED_S", "WAIT_LIMIT_S", "hold_in_engine_client"]
 
 log = logging.getLogger("vllm.hybrid_pd.handoff")
 
@@ -72,7 +77,7 @@ log = logging.getLogger("vllm.hybrid_pd.handoff")
 WAIT_LIMIT_S = 120.0
 # Parameters that came for no request (its early leg was closed: the client left, the prefill's
 # answer failed) are dropped after this long.
-_UNCLAIMED_S = 300.0
+UNCLAIMED_S = 300.0
 _POST_TIMEOUT_S = 5.0
 
 
@@ -86,14 +91,35 @@ class Outbox:
 
     def __init__(self) -> None:
         self._queues: dict[str, queue.SimpleQueue[dict[str, Any]]] = {}
+        self._sockets: dict[str, Any] = {}  # zmq PUSH sockets, by decode engine inbox (tcp://host:port)
 
     def push(self, url: str, key: str, params: dict[str, Any]) -> None:
-        """Send ``params`` for the early leg ``key`` to the decode worker at ``url``; returns at once."""
+        """Send ``params`` for the early leg ``key`` to the decode worker at ``url`` (its server's http(s) URL, or its engine's
+        inbox, ``tcp://host:port``: :mod:`hybrid_pd.connector.vllm.scheduler_hold`); returns at once."""
+        if url.startswith("tcp://"):
+            self._push_to_engine(url, key, params)
+            return
         pending = self._queues.get(url)
         if pending is None:
             pending = self._queues[url] = queue.SimpleQueue()
             threading.Thread(target=_send_forever, args=(url, pending), name="hybrid-pd-handoff", daemon=True).start()
         pending.put({"key": key, "params": params})
+
+    def _push_to_engine(self, url: str, key: str, params: dict[str, Any]) -> None:
+        """ZMQ to the decode engine's inbox, from this thread: a send that does not block (ZMQ's own thread moves it; it
+        queues while the peer connects); dropped, with a warning, where that queue is full (a decode worker long gone)."""
+        import zmq
+
+        socket = self._sockets.get(url)
+        if socket is None:
+            socket = self._sockets[url] = zmq.Context.instance().socket(zmq.PUSH)
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.connect(url)
+        try:
+            socket.send(json.dumps([{"key": key, "params": params}]).encode(), zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("hand-off to %s dropped (its queue is full): that decode worker computes the prompt itself after %.0f s",
+                        url, WAIT_LIMIT_S)
 
 
 def _send_forever(url: str, pending: queue.SimpleQueue[dict[str, Any]]) -> None:
@@ -144,14 +170,17 @@ class HandoffMiddleware:
         self._arrived: dict[str, tuple[float, dict[str, Any]]] = {}  # pushes no leg has taken yet, by key: (when, params)
         self._waiting: dict[str, asyncio.Event] = {}  # early legs held, by key
         self._pruned_at = time.monotonic()
-        self.in_engine_client = os.environ.get(EARLY_LEG_HOLD_ENV) != "server" and hold_in_engine_client(self, engine_client)
+        hold = os.environ.get(EARLY_LEG_HOLD_ENV) or "engine"
+        # Held in vLLM's scheduler (scheduler_hold): the engine's inbox, which the probe names; nothing is held here.
+        self.inbox = os.environ.get(HANDOFF_INBOX_ENV) if hold == "scheduler" else None
+        self.in_engine_client = hold == "engine" and hold_in_engine_client(self, engine_client)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] not in ("GET", "POST"):
             await self.app(scope, receive, send)
         elif scope["path"] == HANDOFF_PATH:
             await self._handoff(scope, receive, send)
-        elif (not self.in_engine_client and scope["method"] == "POST" and scope["path"] in _GENERATION_PATHS
+        elif (not self.in_engine_client and self.inbox is None and scope["method"] == "POST" and scope["path"] in _GENERATION_PATHS
               and any(k == _KEY_HEADER for k, _ in scope["headers"])):  # fmt: skip
             await self._generation(scope, receive, send)
         else:
@@ -174,15 +203,15 @@ class HandoffMiddleware:
 
     async def _handoff(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["method"] == "GET":
-            await _answer(send, 200, b'{"handoff":1}')
+            await _answer(send, 200, json.dumps({"handoff": 1, **({"inbox": self.inbox} if self.inbox else {})}, separators=(",", ":")).encode())
             return
-        pushes = _pushes(await _body(receive))
+        pushes = parse_pushes(await _body(receive))
         if pushes is None:
             await _answer(send, 400, b'{"error":"a JSON list of objects, each with a string key and an object params"}')
             return
         now = time.monotonic()
-        if now - self._pruned_at > _UNCLAIMED_S:  # pushes for legs that were closed before theirs came
-            self._arrived = {k: v for k, v in self._arrived.items() if now - v[0] <= _UNCLAIMED_S}
+        if now - self._pruned_at > UNCLAIMED_S:  # pushes for legs that were closed before theirs came
+            self._arrived = {k: v for k, v in self._arrived.items() if now - v[0] <= UNCLAIMED_S}
             self._pruned_at = now
         for key, params in pushes:
             self._arrived[key] = (now, params)
@@ -244,7 +273,7 @@ def hold_in_engine_client(middleware: HandoffMiddleware, engine_client: type | N
 
     Called in the server's process when vLLM builds its app, before any request; the last middleware built holds (one per
     server). A request is an early leg when its parameters name a hand-off key and a remote prefill not yet located
-    (:func:`_held_key`); any other goes on untouched.
+    (:func:`~hybrid_pd.connector.vllm.scheduler_hold.held_key`); any other goes on untouched.
 
     vLLM also hands a request's parameters to its engine core when it refused the request (a bad ``max_tokens``) or the
     request's task was cancelled (its client left) before it was added: a "rejected" request whose connector frees the
@@ -268,12 +297,12 @@ def hold_in_engine_client(middleware: HandoffMiddleware, engine_client: type | N
     async def _add_request(self: Any, request: Any, prompt: Any, parent_req: Any, index: int, queue: Any) -> Any:
         extra = getattr(getattr(request, "sampling_params", None), "extra_args", None)
         params = extra.get("kv_transfer_params") if isinstance(extra, dict) else None
-        if _held_key(params) is not None:
+        if held_key(params) is not None:
             extra["kv_transfer_params"] = await middleware.release(params)
         return await add(self, request, prompt, parent_req, index, queue)
 
     async def notify_kv_transfer_request_rejected(self: Any, request_id: str, kv_transfer_params: Any, *, data_parallel_rank: Any = None) -> None:
-        if _held_key(kv_transfer_params) is not None:
+        if held_key(kv_transfer_params) is not None:
             kv_transfer_params = await middleware.release(kv_transfer_params)
             if kv_transfer_params is None:
                 return  # no push: no prefill's blocks this worker knows of
@@ -293,15 +322,6 @@ def _unwrapped(engine_client: type, name: str, signature: tuple[str, ...]) -> Ca
     if original is None or not inspect.iscoroutinefunction(original) or tuple(inspect.signature(original).parameters) != signature:
         return None
     return original
-
-
-def _held_key(params: Any) -> str | None:
-    """An early decode leg's hand-off key: parameters with a key, a remote prefill and no prefill located yet; else None (a
-    prefill leg names a key too, with ``do_remote_decode``)."""
-    if not isinstance(params, dict) or params.get("do_remote_prefill") is not True or "remote_engine_id" in params:
-        return None
-    key = params.get(HANDOFF_KEY_PARAM)
-    return key if isinstance(key, str) else None
 
 
 async def _body(receive: Receive) -> bytes:
@@ -339,24 +359,11 @@ def _early_leg(body: bytes) -> tuple[dict[str, Any], str] | None:
         request = json.loads(body)
     except ValueError:
         return None
-    params = request.get("kv_transfer_params") if isinstance(request, dict) else None
-    if not isinstance(params, dict) or not isinstance(params.get(HANDOFF_KEY_PARAM), str) or "remote_engine_id" in params:
-        return None
-    return request, params[HANDOFF_KEY_PARAM]
+    key = held_key(request.get("kv_transfer_params")) if isinstance(request, dict) else None
+    return (request, key) if key is not None else None
 
 
 async def _answer(send: Send, status: int, body: bytes) -> None:
     headers = [(b"content-type", b"application/json")] if body else []
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
-
-
-def _pushes(body: bytes) -> list[tuple[str, dict[str, Any]]] | None:
-    """A POST's pushes, (key, parameters) each; None for anything else."""
-    try:
-        batch = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(batch, list) or not all(isinstance(p, dict) and isinstance(p.get("key"), str) and isinstance(p.get("params"), dict) for p in batch):
-        return None
-    return [(p["key"], p["params"]) for p in batch]

@@ -48,7 +48,9 @@ it is vLLM's pull connector, with the fixes and hooks below switched on per work
    attention KV covers all N-1 tokens handed off, but not their state, pulls the last block and
    the state instead of prefilling the whole prompt itself (:mod:`hybrid_pd.connector.vllm.state_pull_hit`).
 11. **The early decode leg.** A prefill whose leg names a decode worker's URL and a hand-off key pushes
-   its ``kv_transfer_params`` there the moment it ends (:mod:`hybrid_pd.connector.vllm.handoff` says why).
+   its ``kv_transfer_params`` there the moment it ends (:mod:`hybrid_pd.connector.vllm.handoff` says why). With
+   ``HYBRID_PD_EARLY_LEG_HOLD=scheduler`` a decode worker's scheduler holds its early legs until their push
+   reaches its engine's own inbox (:mod:`hybrid_pd.connector.vllm.scheduler_hold`).
 12. **The model on its own cores.** vLLM's connector worker moves the CPU model worker's main thread, the
    one that runs the model, to the last core of the NUMA node; it is put back on the cores OpenMP bound it to
    (``VLLM_CPU_OMP_THREADS_BIND``, :mod:`hybrid_pd.connector.vllm.cpu_affinity` says why).
@@ -66,6 +68,7 @@ import json
 import logging
 import os
 import time
+from urllib.parse import urlsplit
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPullConnector
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import NixlPullConnectorScheduler
@@ -78,7 +81,9 @@ from hybrid_pd.connector.contract import (
     CAPABILITIES_ENV,
     DECODE_ROW,
     DELAY_ENV,
+    EARLY_LEG_HOLD_ENV,
     FAILED_PULLS,
+    HANDOFF_INBOX_ENV,
     HANDOFF_KEY_PARAM,
     HANDOFF_URL_PARAM,
     LOCAL_PROMPT_TOKENS,
@@ -90,12 +95,13 @@ from hybrid_pd.connector.trace.timeline import from_env as timeline_writer
 from hybrid_pd.connector.vllm.capabilities import reports_failed_pulls, vllm_version
 from hybrid_pd.connector.vllm.cpu_affinity import kept_affinity
 from hybrid_pd.connector.vllm.decode_rows import apply_fix, remove_vllm_fix
-from hybrid_pd.connector.vllm.handoff import Outbox
+from hybrid_pd.connector.vllm.handoff import UNCLAIMED_S, WAIT_LIMIT_S, Outbox
 from hybrid_pd.connector.vllm.kv_lease import lease_expiry, pull_outlived_lease, stamp_lease
 from hybrid_pd.connector.vllm.nixl_merge import merge_adjacent_descriptors
 from hybrid_pd.connector.vllm.nixl_progress import throttle_progress_thread
 from hybrid_pd.connector.vllm.nixl_trace import record_transfers
 from hybrid_pd.connector.vllm.pull_await import await_transfers, awaits, posted_since
+from hybrid_pd.connector.vllm.scheduler_hold import WAIT, PushInbox, SchedulerHold, held_key
 from hybrid_pd.connector.vllm.state_pull_hit import apply as pull_state_under_local_hits
 from hybrid_pd.connector.vllm.timeline_engine import EngineTimeline
 
@@ -163,6 +169,7 @@ class NixlConnector(NixlPullConnector):
 
     _timeline: EngineTimeline | None = None  # set in __init__ when the worker records the hand-off timeline
     _outbox: Outbox | None = None  # prefill scheduler: pushes to the decode workers of early legs
+    _hold: SchedulerHold | None = None  # decode scheduler: early legs held until their push (scheduler_hold)
 
     def __init__(self, vllm_config, role, kv_cache_config) -> None:  # noqa: ANN001 - vLLM's signature
         with kept_affinity("vLLM's NIXL connector worker"):
@@ -175,6 +182,11 @@ class NixlConnector(NixlPullConnector):
             self._timeline = EngineTimeline(writer, prefill=vllm_config.kv_transfer_config.kv_role == "kv_producer")
         if self.connector_scheduler is not None and vllm_config.kv_transfer_config.kv_role in ("kv_producer", "kv_both"):
             self._outbox = Outbox()
+        inbox = os.environ.get(HANDOFF_INBOX_ENV)
+        if (self.connector_scheduler is not None and vllm_config.kv_transfer_config.kv_role in ("kv_consumer", "kv_both")
+                and os.environ.get(EARLY_LEG_HOLD_ENV) == "scheduler" and inbox):  # fmt: skip
+            self._hold = SchedulerHold(PushInbox(urlsplit(inbox).port, UNCLAIMED_S), WAIT_LIMIT_S)
+            log.info("early decode legs wait in vLLM's scheduler for their push to this engine's inbox, %s", inbox)
         if self.connector_worker is not None and vllm_config.kv_transfer_config.kv_role in ("kv_consumer", "kv_both") and not REPORTS_FAILED_PULLS:
             log.warning(
                 "this vLLM cannot report a failed pull of hybrid state (no KVConnectorTransferResults.failed_recving; "
@@ -194,17 +206,23 @@ class NixlConnector(NixlPullConnector):
     # Prefill, scheduler side: the answer's kv_transfer_params say when the lease runs out.
     def request_finished(self, request, block_ids):  # noqa: ANN001, ANN201 - vLLM's signature
         started_at = time.time()
-        if self._timeline is not None:
-            self._timeline.finished(request)
+        self._ending(request)
         delay_free, params = super().request_finished(request, block_ids)
         return self._finished(request, delay_free, params, started_at)
 
     def request_finished_all_groups(self, request, block_ids):  # noqa: ANN001, ANN201 - vLLM's signature
         started_at = time.time()
-        if self._timeline is not None:
-            self._timeline.finished(request)
+        self._ending(request)
         delay_free, params = super().request_finished_all_groups(request, block_ids)
         return self._finished(request, delay_free, params, started_at)
+
+    def _ending(self, request) -> None:  # noqa: ANN001 - vLLM's Request
+        """Before vLLM's connector sees a request end: the timeline's note, and a leg still held in the scheduler given its
+        push's parameters (the prefill's blocks are freed) or none (vLLM's connector would fail on a prefill not located)."""
+        if self._timeline is not None:
+            self._timeline.finished(request)
+        if self._hold is not None and held_key(request.kv_transfer_params) is not None:
+            request.kv_transfer_params = self._hold.ended(request.request_id, request.kv_transfer_params)
 
     def _finished(self, request, delay_free: bool, params, started_at: float):  # noqa: ANN001, ANN202 - vLLM's types
         """What ``request_finished`` answers: a held state's parameters stamped with the lease, pushed to an early leg's decode worker."""
@@ -225,6 +243,14 @@ class NixlConnector(NixlPullConnector):
         if self._timeline is not None:
             self._timeline.seen(request)
         params = request.kv_transfer_params
+        if self._hold is not None and held_key(params) is not None:  # an early leg held here until its push comes
+            outcome = self._hold.look(request.request_id, params)
+            if outcome is WAIT:
+                return None, False  # vLLM keeps it waiting and asks again next step
+            params, pushed_at = outcome
+            request.kv_transfer_params = params  # the push merged in; None: none came, the prompt is computed here
+            if self._timeline is not None and pushed_at is not None:
+                self._timeline.handoff_taken(request, pushed_at)
         if params and params.get("do_remote_prefill") and request.num_prompt_tokens <= LOCAL_PROMPT_TOKENS:
             log.info("%s: a prompt of %d token(s) is computed here, not pulled", request.request_id, request.num_prompt_tokens)
             return 0, False

@@ -9,6 +9,7 @@ the timestamps are vLLM's own where vLLM keeps them, ours at the hook otherwise:
 | ``queued`` | the engine core queued it | vLLM's ``QUEUED`` engine event, else first seen by the scheduler |
 | ``scheduled`` | a scheduler step took it: the prefill's forward; on the decode worker, the step that recomputes token N after the pull (the decode row) | vLLM's ``SCHEDULED`` engine event (the step's start), else when that step's connector metadata is built |
 | ``done`` | prefill: the request finished (prompt run, its one token sampled, state held for the pull) | ``request_finished`` |
+| ``handoff_taken`` | decode, an early leg held in vLLM's scheduler: its push came to the engine's inbox | when the scheduler read it (:mod:`hybrid_pd.connector.vllm.scheduler_hold`) |
 | ``pull_queued`` | decode: blocks allocated for the pull, which the next step's metadata hands to the model worker | ``update_state_after_alloc`` |
 | ``pull_posted`` | decode: the NIXL read is posted (after any handshake with the prefill) | after the model worker's ``start_load_kv`` |
 | ``pull_done`` / ``pull_failed`` | decode: the model worker noticed the read complete (or failed: the prompt is recomputed) | in ``get_transfer_results`` / ``get_finished``, once per engine step |
@@ -65,6 +66,12 @@ class EngineTimeline:
             self._writer.event("engine_in", rid=rid, req=req, wall=float(arrival))
         queued = vllm_event_time(request, "QUEUED")
         self._writer.event("queued", rid=rid, req=req, **({"mono": queued} if queued is not None else {}))
+
+    def handoff_taken(self, request: Any, pushed_at: float) -> None:
+        """Decode, an early leg held in the scheduler: its push, which came at ``pushed_at`` (monotonic), was taken."""
+        rid = self._traced.get(request.request_id)
+        if rid is not None:
+            self._writer.event("handoff_taken", rid=rid, req=request.request_id, mono=pushed_at)
 
     def pull_queued(self, request: Any) -> None:
         """Decode: blocks were allocated for ``request``'s pull."""

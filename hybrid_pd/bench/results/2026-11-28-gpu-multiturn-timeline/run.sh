@@ -35,6 +35,10 @@
 #   (runs 7-9): whole requests (no split) on decode workers as shipped, with the attention KV cache in NHD instead of the
 #   HND vLLM's NIXL connector sets, and without idle_poll, against colocated servers in NHD and HND (run10-tpot/).
 #   A server's extra flags may set its environment: env:NAME=VALUE.
+# Run 12 (run12.env, ONE GPU): the early leg held in vLLM's scheduler, its push taken by the decode engine itself
+#   (--early-leg-hold scheduler), against the decode worker as shipped and a colocated server, 1 in flight at 1,000 and
+#   8,000 prompt tokens, then 1000/512 @ 64 ABBA (run12-scheduler-hold/).
+# Run 13 (run13.env, ONE GPU): run 12's load points again, each pair warmed at 64 in flight first (run13-scheduler-load/).
 # Calls (the machine goes cold ~30 s after a call: never leave a gap):
 #   call 3: bash .gpu/c3/unpack.sh --all .gpu/c3/c3.tar.xz || exit; source .gpu/c3/env.sh; bash hybrid_pd/bench/results/2026-11-28-gpu-multiturn-timeline/run.sh start
 #   call 4: bash /tmp/site/.gpu-payload/unpack.sh --all >/dev/null || exit; source /tmp/site/.gpu-payload/env.sh; bash hybrid_pd/bench/results/2026-11-28-gpu-multiturn-timeline/run.sh wait 500; bash hybrid_pd/bench/results/2026-11-28-gpu-multiturn-timeline/run.sh pack
