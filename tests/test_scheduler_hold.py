@@ -2,7 +2,7 @@
 ZMQ to the decode engine's inbox, and the scheduler's look lets a leg go once its push came.
 
 Real ZMQ sockets on this host here; inside real vLLM engines (the session stack's second decode worker) the e2e tests
-(tests/e2e/test_scheduler_hold.py).
+(tests/e2e/test_handoff_scheduler_hold.py).
 """
 
 from __future__ import annotations

@@ -40,6 +40,19 @@ def test_a_side_channel_port_in_use_is_refused_before_vllm_starts(model_dir):
     assert "vLLM command" not in result.stderr, "vLLM was started anyway"
 
 
+def test_a_handoff_port_in_use_is_refused_before_vllm_starts(model_dir):
+    """A decode worker whose scheduler holds early legs listens for the prefill's pushes on --handoff-port, every interface."""
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        port = taken.getsockname()[1]
+        argv = [sys.executable, "-m", "hybrid_pd.cli", "decode", "--model", str(model_dir), "--port", str(free_port()),
+                "--side-channel-port", str(free_port()), "--early-leg-hold", "scheduler", "--handoff-port", str(port)]  # fmt: skip
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"early legs' inbox 0.0.0.0:{port}" in result.stderr and "in use" in result.stderr
+    assert "vLLM command" not in result.stderr, "vLLM was started anyway"
+
+
 def test_a_dead_side_channel_listener_fails_the_worker_at_once(model_dir, monkeypatch, caplog):
     # What vLLM does when its NIXL listener thread cannot bind: the thread dies, the server never gets ready.
     stand_in = (

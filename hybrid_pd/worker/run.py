@@ -32,7 +32,7 @@ from hybrid_pd.common.processes import (
 from hybrid_pd.connector.compat import IncompatibleWorkers
 from hybrid_pd.connector.contract import ENGINE_FIXES_ENV
 from hybrid_pd.connector.identity import worker_identity
-from hybrid_pd.connector.launch import Role, WorkerSpec, build_launch, dtype
+from hybrid_pd.connector.launch import Role, WorkerSpec, build_launch, dtype, handoff_inbox
 from hybrid_pd.connector.model_check import check_model
 from hybrid_pd.connector.vllm.capabilities import checked
 from hybrid_pd.worker.plugin_registration import plugin_path
@@ -64,15 +64,18 @@ _FAILED_STOP_GRACE_S = 5.0
 _DUMP_TIMEOUT_S = 10.0
 
 
-def _side_channel_in_use(spec: WorkerSpec) -> str | None:
-    """Why vLLM could not listen on the NIXL side-channel port, or None when it can (checked before starting it)."""
-    if spec.role == "colocated":
-        return None
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind((spec.side_channel_host, spec.side_channel_port))
-        except OSError as exc:
-            return f"NIXL side channel {spec.side_channel_host}:{spec.side_channel_port}: {exc.strerror or exc}"
+def _port_in_use(spec: WorkerSpec) -> str | None:
+    """Why vLLM could not listen on the NIXL side-channel port or its engine on the early legs' inbox (every interface),
+    or None when both are free (checked before starting it)."""
+    wanted = [] if spec.role == "colocated" else [("NIXL side channel", spec.side_channel_host, spec.side_channel_port)]
+    if handoff_inbox(spec) is not None:
+        wanted.append(("early legs' inbox", "0.0.0.0", spec.handoff_port))
+    for what, host, port in wanted:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError as exc:
+                return f"{what} {host}:{port}: {exc.strerror or exc}"
     return None
 
 
@@ -140,8 +143,8 @@ def with_plugin(env: dict[str, str]) -> dict[str, str]:
 def run_worker(role: Role, settings: WorkerSettings) -> int:
     """Run one vLLM server for ``role`` until it fails or we are told to stop; return the exit code."""
     spec = settings.spec(role)
-    if (taken := _side_channel_in_use(spec)) is not None:
-        log.error("cannot start vLLM: %s; give each worker on a host its own --side-channel-port", taken)
+    if (taken := _port_in_use(spec)) is not None:
+        log.error("cannot start vLLM: %s; give each worker on a host its own --side-channel-port (and --handoff-port)", taken)
         return 2
     try:
         check_model(spec.model, role, spec.device, speculates=spec.speculative_config is not None, dtype=dtype(spec))
