@@ -15,9 +15,10 @@ import time
 import pytest
 
 from hybrid_pd.common.processes import free_port
-from hybrid_pd.connector.contract import EARLY_LEG_HOLD_ENV, HANDOFF_INBOX_ENV, HANDOFF_KEY_PARAM, HANDOFF_PATH
+from hybrid_pd.connector.contract import HANDOFF_INBOX_ENV, HANDOFF_KEY_PARAM, HANDOFF_PATH
 from hybrid_pd.connector.vllm.handoff import HandoffMiddleware, Outbox
-from hybrid_pd.connector.vllm.scheduler_hold import WAIT, PushInbox, SchedulerHold, held_key, parse_pushes
+from hybrid_pd.connector.vllm.pushes import held_key
+from hybrid_pd.connector.vllm.scheduler_hold import WAIT, PushInbox, SchedulerHold
 from tests.test_handoff import PUSHED, _App, _call, _early_leg, _engine_client
 
 HELD = {"do_remote_prefill": True, HANDOFF_KEY_PARAM: "k1", "hybrid_pd_request_id": "r1"}
@@ -51,14 +52,14 @@ def _until(condition, seconds: float = 5.0):  # noqa: ANN001, ANN202
 def test_the_outbox_pushes_to_the_decode_engines_inbox_and_the_leg_goes_on_with_the_pushed_parameters(inbox):
     port, box = inbox
     hold = SchedulerHold(box, wait_limit_s=120)
-    assert hold.look("req-1", HELD) is WAIT  # the push has not come: vLLM keeps the leg waiting
+    assert hold.look("req-1", "k1", HELD) is WAIT  # the push has not come: vLLM keeps the leg waiting
     outbox = Outbox()  # kept: as the prefill's connector keeps it (a socket closed before it sent drops what it holds)
     outbox.push(f"tcp://127.0.0.1:{port}", "k1", PUSHED)
-    outcome = _until(lambda: None if (o := hold.look("req-1", HELD)) is WAIT else o)
+    outcome = _until(lambda: None if (o := hold.look("req-1", "k1", HELD)) is WAIT else o)
     params, pushed_at = outcome
     assert params == {**HELD, **PUSHED} and held_key(params) is None  # located now: vLLM's connector pulls
     assert pushed_at <= time.monotonic()
-    assert hold.look("req-1", HELD) is WAIT  # taken once
+    assert hold.look("req-1", "k1", HELD) is WAIT  # taken once
 
 
 def test_a_push_that_came_before_its_leg_waits_for_it_and_one_for_another_leg_stays(inbox):
@@ -67,20 +68,20 @@ def test_a_push_that_came_before_its_leg_waits_for_it_and_one_for_another_leg_st
     outbox.push(f"tcp://127.0.0.1:{port}", "other", PUSHED)
     outbox.push(f"tcp://127.0.0.1:{port}", "k1", PUSHED)
     hold = SchedulerHold(box, wait_limit_s=120)
-    assert _until(lambda: None if (o := hold.look("req-1", HELD)) is WAIT else o)[0] == {**HELD, **PUSHED}
-    assert hold.look("req-2", {**HELD, HANDOFF_KEY_PARAM: "other"})[0] == {**HELD, HANDOFF_KEY_PARAM: "other", **PUSHED}
+    assert _until(lambda: None if (o := hold.look("req-1", "k1", HELD)) is WAIT else o)[0] == {**HELD, **PUSHED}
+    assert hold.look("req-2", "other", {**HELD, HANDOFF_KEY_PARAM: "other"})[0] == {**HELD, HANDOFF_KEY_PARAM: "other", **PUSHED}
 
 
 def test_a_leg_whose_push_never_comes_goes_on_without_parameters_after_the_limit(inbox, caplog):
     _, box = inbox
     clock = _Clock()
     hold = SchedulerHold(box, wait_limit_s=120, clock=clock)
-    assert hold.look("req-1", HELD) is WAIT
+    assert hold.look("req-1", "k1", HELD) is WAIT
     clock.now += 119.9
-    assert hold.look("req-1", HELD) is WAIT
+    assert hold.look("req-1", "k1", HELD) is WAIT
     clock.now += 0.2
     with caplog.at_level(logging.WARNING, logger="vllm.hybrid_pd.scheduler_hold"):
-        assert hold.look("req-1", HELD) == (None, None)  # the decode worker computes the prompt itself
+        assert hold.look("req-1", "k1", HELD) == (None, None)  # the decode worker computes the prompt itself
     assert "no push came in 120 s" in caplog.text
 
 
@@ -89,12 +90,12 @@ def test_a_leg_that_ends_while_held_frees_the_prefills_blocks_only_once_its_push
     down): a held leg that ends (its client left, vLLM refused it) goes to it with the push's parameters or with none."""
     port, box = inbox
     hold = SchedulerHold(box, wait_limit_s=120)
-    assert hold.look("req-1", HELD) is WAIT
-    assert hold.ended("req-1", HELD) is None  # no push: nothing of the prefill's is known here (its lease frees it)
+    assert hold.look("req-1", "k1", HELD) is WAIT
+    assert hold.ended("req-1", "k1", HELD) is None  # no push: nothing of the prefill's is known here (its lease frees it)
     outbox = Outbox()
     outbox.push(f"tcp://127.0.0.1:{port}", "k2", PUSHED)
     leg = {**HELD, HANDOFF_KEY_PARAM: "k2"}
-    assert _until(lambda: hold.ended("req-2", leg)) == {**leg, **PUSHED}
+    assert _until(lambda: hold.ended("req-2", "k2", leg)) == {**leg, **PUSHED}
 
 
 def test_pushes_nobody_takes_are_dropped_after_a_while_and_a_malformed_one_at_once(caplog):
@@ -118,28 +119,7 @@ def test_pushes_nobody_takes_are_dropped_after_a_while_and_a_malformed_one_at_on
         box.close()
 
 
-@pytest.mark.parametrize(
-    ("params", "key"),
-    [
-        (HELD, "k1"),
-        ({**HELD, "remote_engine_id": "e1"}, None),  # located: a leg that goes as it is
-        ({"do_remote_decode": True, HANDOFF_KEY_PARAM: "k1"}, None),  # a prefill leg names a key too
-        ({"do_remote_prefill": True}, None),
-        (None, None),
-    ],
-)
-def test_only_a_decode_leg_not_yet_located_is_held(params, key):
-    assert held_key(params) == key
-
-
-def test_a_push_batch_is_a_json_list_of_keys_and_parameters():
-    assert parse_pushes(json.dumps([{"key": "a", "params": PUSHED}]).encode()) == [("a", PUSHED)]
-    for body in (b"{}", b"[1]", b'[{"key": 1, "params": {}}]', b"nope"):
-        assert parse_pushes(body) is None
-
-
 async def test_a_scheduler_held_worker_names_its_engines_inbox_and_lets_early_legs_through(monkeypatch):
-    monkeypatch.setenv(EARLY_LEG_HOLD_ENV, "scheduler")
     monkeypatch.setenv(HANDOFF_INBOX_ENV, "tcp://10.0.0.7:5999")
     client, app = _engine_client(), _App()
     original = client._add_request

@@ -57,8 +57,8 @@ DELAY_ENV = "HYBRID_PD_NIXL_PROGRESS_DELAY_US"  # nixl_progress: microseconds be
 MERGE_ENV = "HYBRID_PD_NIXL_MERGE_DESCRIPTORS"  # nixl_merge: "1" posts adjacent reads as one
 TRACE_ENV = "HYBRID_PD_NIXL_TRACE_DIR"  # nixl_trace: folder of the transfer trace
 AWAIT_ENV = "HYBRID_PD_PULL_AWAIT_US"  # pull_await: microseconds a step waits for its own pulls
-EARLY_LEG_HOLD_ENV = "HYBRID_PD_EARLY_LEG_HOLD"  # handoff: "server" or "scheduler" holds early decode legs there, not in vLLM's engine client
-HANDOFF_INBOX_ENV = "HYBRID_PD_HANDOFF_INBOX"  # scheduler_hold: tcp://host:port, where the decode engine takes pushes
+EARLY_LEG_HOLD_ENV = "HYBRID_PD_EARLY_LEG_HOLD"  # handoff: "server" holds early decode legs there, not in vLLM's engine client
+HANDOFF_INBOX_ENV = "HYBRID_PD_HANDOFF_INBOX"  # scheduler_hold: tcp://host:port, where the decode engine takes pushes; set, its scheduler holds early legs
 TEST_ONLY_DISABLE_ENV = "HYBRID_PD_TEST_ONLY_DISABLE_DECODE_ROW_FIX"  # decode_rows: the negative control
 
 # Fixes of vLLM's engine our vLLM plugin applies in every process of a server that names them, comma-separated

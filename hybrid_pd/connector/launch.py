@@ -34,7 +34,7 @@ from hybrid_pd.connector.contract import (
 )
 from hybrid_pd.connector.plan import ModelShape, readable_shape
 
-__all__ = ["Launch", "Role", "Device", "WorkerSpec", "build_launch", "dtype", "handoff_inbox", "kv_transfer_config"]
+__all__ = ["Launch", "Role", "Device", "WorkerSpec", "build_launch", "dtype", "handoff_inbox", "holds_in_scheduler", "kv_transfer_config"]
 
 Role = Literal["prefill", "decode", "flex", "colocated"]
 Device = Literal["cpu", "cuda"]
@@ -96,7 +96,7 @@ class WorkerSpec:
     def __post_init__(self) -> None:
         if self.role != "colocated" and self.side_channel_port <= 0:
             raise ValueError(f"a {self.role} worker needs a NIXL side-channel port (got {self.side_channel_port})")
-        if self.early_leg_hold == "scheduler" and self.role in ("decode", "flex") and not self.handoff_port:
+        if holds_in_scheduler(self.early_leg_hold, self.role) and not self.handoff_port:
             raise ValueError(f"a {self.role} worker holding early legs in vLLM's scheduler needs a port for its inbox (got {self.handoff_port})")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1 (got {self.tensor_parallel_size})")
@@ -239,16 +239,21 @@ def early_leg_hold_env(spec: WorkerSpec) -> dict[str, str]:
     """Where a worker's early decode legs wait for their push: vLLM's engine client unless ``spec.early_leg_hold`` says the server
     (:mod:`hybrid_pd.connector.vllm.handoff`; the server holds them anyway where vLLM's engine client lacks the method) or
     vLLM's scheduler, with the inbox its engine takes pushes at (:mod:`hybrid_pd.connector.vllm.scheduler_hold`)."""
-    if spec.early_leg_hold == "engine" or kv_role(spec.role) is None:
-        return {}
-    inbox = handoff_inbox(spec)
-    return {EARLY_LEG_HOLD_ENV: spec.early_leg_hold, **({HANDOFF_INBOX_ENV: inbox} if inbox else {})}
+    if (inbox := handoff_inbox(spec)) is not None:
+        return {HANDOFF_INBOX_ENV: inbox}
+    return {EARLY_LEG_HOLD_ENV: "server"} if spec.early_leg_hold == "server" and kv_role(spec.role) is not None else {}
+
+
+def holds_in_scheduler(early_leg_hold: str, role: str) -> bool:
+    """Whether a worker's early decode legs wait in vLLM's scheduler: a decode or flex worker so set, whose engine then takes
+    the prefill's pushes on an inbox (a port) of its own."""
+    return early_leg_hold == "scheduler" and role in ("decode", "flex")
 
 
 def handoff_inbox(spec: WorkerSpec) -> str | None:
-    """Where a decode or flex worker whose scheduler holds early legs takes the prefill's pushes: ``tcp://`` its side-channel host
-    (the address peers reach it on) and ``spec.handoff_port``; None where its early legs wait elsewhere."""
-    if spec.early_leg_hold != "scheduler" or spec.role not in ("decode", "flex"):
+    """Where a worker whose scheduler holds early legs takes the prefill's pushes: ``tcp://`` its side-channel host (the address
+    peers reach it on) and ``spec.handoff_port``; None where its early legs wait elsewhere."""
+    if not holds_in_scheduler(spec.early_leg_hold, spec.role):
         return None
     return f"tcp://{spec.side_channel_host}:{spec.handoff_port}"
 

@@ -18,7 +18,7 @@ from hybrid_pd.common import checks
 from hybrid_pd.common.cli_flags import ENV_ONLY, Flag
 from hybrid_pd.common.processes import free_port
 from hybrid_pd.connector.contract import ENGINE_FIXES
-from hybrid_pd.connector.launch import GPU_PULL_AWAIT_US, Device, Role, WorkerSpec
+from hybrid_pd.connector.launch import GPU_PULL_AWAIT_US, Device, Role, WorkerSpec, holds_in_scheduler
 from hybrid_pd.connector.topology import rdma_devices
 from hybrid_pd.default_model import resolve_model
 
@@ -173,6 +173,6 @@ class WorkerSettings(BaseSettings):
             "served_model_name": served_model_name,
             "rdma_devices": rdma_devices() if self.device == "cuda" else (),
         }
-        if self.early_leg_hold == "scheduler" and role in ("decode", "flex") and self.handoff_port is None:
+        if holds_in_scheduler(self.early_leg_hold, role) and self.handoff_port is None:
             found["handoff_port"] = free_port()
         return WorkerSpec(**self.model_dump(include=_SPEC_FIELDS) | found)

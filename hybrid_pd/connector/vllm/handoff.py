@@ -58,7 +58,6 @@ import logging
 import os
 import queue
 import threading
-import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 from urllib.parse import urlsplit
@@ -66,18 +65,15 @@ from urllib.parse import urlsplit
 from hybrid_pd.connector.contract import EARLY_LEG_HOLD_ENV, HANDOFF_INBOX_ENV, HANDOFF_KEY_HEADER, HANDOFF_KEY_PARAM, HANDOFF_PATH
 from hybrid_pd.connector.trace.timeline import REQUEST_ID_PARAM, TimelineWriter
 from hybrid_pd.connector.trace.timeline import from_env as timeline_from_env
-from hybrid_pd.connector.vllm.scheduler_hold import held_key, parse_pushes
+from hybrid_pd.connector.vllm.pushes import Arrivals, held_key, parse_pushes
 
-__all__ = ["HandoffMiddleware", "Outbox", "UNCLAIMED_S", "WAIT_LIMIT_S", "hold_in_engine_client"]
+__all__ = ["HandoffMiddleware", "Outbox", "WAIT_LIMIT_S", "hold_in_engine_client"]
 
 log = logging.getLogger("vllm.hybrid_pd.handoff")
 
 # The longest an early leg waits for its push before the decode worker computes the prompt itself.
 # Not a latency bound: a prefill queued behind others under load can take tens of seconds.
 WAIT_LIMIT_S = 120.0
-# Parameters that came for no request (its early leg was closed: the client left, the prefill's
-# answer failed) are dropped after this long.
-UNCLAIMED_S = 300.0
 _POST_TIMEOUT_S = 5.0
 
 
@@ -167,13 +163,12 @@ class HandoffMiddleware:
         """``engine_client``: the class whose ``_add_request`` holds early legs (default: vLLM's ``AsyncLLM``)."""
         self.app = app
         self.writer = writer if writer is not None else timeline_from_env()
-        self._arrived: dict[str, tuple[float, dict[str, Any]]] = {}  # pushes no leg has taken yet, by key: (when, params)
+        self._arrived = Arrivals()
         self._waiting: dict[str, asyncio.Event] = {}  # early legs held, by key
-        self._pruned_at = time.monotonic()
-        hold = os.environ.get(EARLY_LEG_HOLD_ENV) or "engine"
         # Held in vLLM's scheduler (scheduler_hold): the engine's inbox, which the probe names; nothing is held here.
-        self.inbox = os.environ.get(HANDOFF_INBOX_ENV) if hold == "scheduler" else None
-        self.in_engine_client = hold == "engine" and hold_in_engine_client(self, engine_client)
+        self.inbox = os.environ.get(HANDOFF_INBOX_ENV)
+        self.in_engine_client = (self.inbox is None and os.environ.get(EARLY_LEG_HOLD_ENV) != "server"
+                                 and hold_in_engine_client(self, engine_client))  # fmt: skip
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] not in ("GET", "POST"):
@@ -209,12 +204,8 @@ class HandoffMiddleware:
         if pushes is None:
             await _answer(send, 400, b'{"error":"a JSON list of objects, each with a string key and an object params"}')
             return
-        now = time.monotonic()
-        if now - self._pruned_at > UNCLAIMED_S:  # pushes for legs that were closed before theirs came
-            self._arrived = {k: v for k, v in self._arrived.items() if now - v[0] <= UNCLAIMED_S}
-            self._pruned_at = now
-        for key, params in pushes:
-            self._arrived[key] = (now, params)
+        self._arrived.put(pushes)
+        for key, _ in pushes:
             if (event := self._waiting.get(key)) is not None:
                 event.set()
         await _answer(send, 204, b"")
@@ -255,7 +246,7 @@ class HandoffMiddleware:
             if not event.is_set():
                 left = waits[1:] and waits[1].done() and not waits[1].cancelled()
                 return _GONE if left else None
-        return self._arrived.pop(key)
+        return self._arrived.take(key)
 
 
 _GONE = object()
@@ -273,7 +264,7 @@ def hold_in_engine_client(middleware: HandoffMiddleware, engine_client: type | N
 
     Called in the server's process when vLLM builds its app, before any request; the last middleware built holds (one per
     server). A request is an early leg when its parameters name a hand-off key and a remote prefill not yet located
-    (:func:`~hybrid_pd.connector.vllm.scheduler_hold.held_key`); any other goes on untouched.
+    (:func:`~hybrid_pd.connector.vllm.pushes.held_key`); any other goes on untouched.
 
     vLLM also hands a request's parameters to its engine core when it refused the request (a bad ``max_tokens``) or the
     request's task was cancelled (its client left) before it was added: a "rejected" request whose connector frees the

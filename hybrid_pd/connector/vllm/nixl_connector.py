@@ -49,8 +49,8 @@ it is vLLM's pull connector, with the fixes and hooks below switched on per work
    the state instead of prefilling the whole prompt itself (:mod:`hybrid_pd.connector.vllm.state_pull_hit`).
 11. **The early decode leg.** A prefill whose leg names a decode worker's URL and a hand-off key pushes
    its ``kv_transfer_params`` there the moment it ends (:mod:`hybrid_pd.connector.vllm.handoff` says why). With
-   ``HYBRID_PD_EARLY_LEG_HOLD=scheduler`` a decode worker's scheduler holds its early legs until their push
-   reaches its engine's own inbox (:mod:`hybrid_pd.connector.vllm.scheduler_hold`).
+   ``HYBRID_PD_HANDOFF_INBOX`` set, a decode worker's scheduler holds its early legs until their push
+   reaches its engine's own inbox there (:mod:`hybrid_pd.connector.vllm.scheduler_hold`).
 12. **The model on its own cores.** vLLM's connector worker moves the CPU model worker's main thread, the
    one that runs the model, to the last core of the NUMA node; it is put back on the cores OpenMP bound it to
    (``VLLM_CPU_OMP_THREADS_BIND``, :mod:`hybrid_pd.connector.vllm.cpu_affinity` says why).
@@ -81,7 +81,6 @@ from hybrid_pd.connector.contract import (
     CAPABILITIES_ENV,
     DECODE_ROW,
     DELAY_ENV,
-    EARLY_LEG_HOLD_ENV,
     FAILED_PULLS,
     HANDOFF_INBOX_ENV,
     HANDOFF_KEY_PARAM,
@@ -95,13 +94,14 @@ from hybrid_pd.connector.trace.timeline import from_env as timeline_writer
 from hybrid_pd.connector.vllm.capabilities import reports_failed_pulls, vllm_version
 from hybrid_pd.connector.vllm.cpu_affinity import kept_affinity
 from hybrid_pd.connector.vllm.decode_rows import apply_fix, remove_vllm_fix
-from hybrid_pd.connector.vllm.handoff import UNCLAIMED_S, WAIT_LIMIT_S, Outbox
+from hybrid_pd.connector.vllm.handoff import WAIT_LIMIT_S, Outbox
 from hybrid_pd.connector.vllm.kv_lease import lease_expiry, pull_outlived_lease, stamp_lease
 from hybrid_pd.connector.vllm.nixl_merge import merge_adjacent_descriptors
 from hybrid_pd.connector.vllm.nixl_progress import throttle_progress_thread
 from hybrid_pd.connector.vllm.nixl_trace import record_transfers
 from hybrid_pd.connector.vllm.pull_await import await_transfers, awaits, posted_since
-from hybrid_pd.connector.vllm.scheduler_hold import WAIT, PushInbox, SchedulerHold, held_key
+from hybrid_pd.connector.vllm.pushes import held_key
+from hybrid_pd.connector.vllm.scheduler_hold import WAIT, PushInbox, SchedulerHold
 from hybrid_pd.connector.vllm.state_pull_hit import apply as pull_state_under_local_hits
 from hybrid_pd.connector.vllm.timeline_engine import EngineTimeline
 
@@ -182,10 +182,9 @@ class NixlConnector(NixlPullConnector):
             self._timeline = EngineTimeline(writer, prefill=vllm_config.kv_transfer_config.kv_role == "kv_producer")
         if self.connector_scheduler is not None and vllm_config.kv_transfer_config.kv_role in ("kv_producer", "kv_both"):
             self._outbox = Outbox()
-        inbox = os.environ.get(HANDOFF_INBOX_ENV)
-        if (self.connector_scheduler is not None and vllm_config.kv_transfer_config.kv_role in ("kv_consumer", "kv_both")
-                and os.environ.get(EARLY_LEG_HOLD_ENV) == "scheduler" and inbox):  # fmt: skip
-            self._hold = SchedulerHold(PushInbox(urlsplit(inbox).port, UNCLAIMED_S), WAIT_LIMIT_S)
+        inbox = os.environ.get(HANDOFF_INBOX_ENV)  # set: early legs wait in this scheduler
+        if self.connector_scheduler is not None and vllm_config.kv_transfer_config.kv_role in ("kv_consumer", "kv_both") and inbox:
+            self._hold = SchedulerHold(PushInbox(urlsplit(inbox).port), WAIT_LIMIT_S)
             log.info("early decode legs wait in vLLM's scheduler for their push to this engine's inbox, %s", inbox)
         if self.connector_worker is not None and vllm_config.kv_transfer_config.kv_role in ("kv_consumer", "kv_both") and not REPORTS_FAILED_PULLS:
             log.warning(
@@ -221,8 +220,8 @@ class NixlConnector(NixlPullConnector):
         push's parameters (the prefill's blocks are freed) or none (vLLM's connector would fail on a prefill not located)."""
         if self._timeline is not None:
             self._timeline.finished(request)
-        if self._hold is not None and held_key(request.kv_transfer_params) is not None:
-            request.kv_transfer_params = self._hold.ended(request.request_id, request.kv_transfer_params)
+        if self._hold is not None and (key := held_key(request.kv_transfer_params)) is not None:
+            request.kv_transfer_params = self._hold.ended(request.request_id, key, request.kv_transfer_params)
 
     def _finished(self, request, delay_free: bool, params, started_at: float):  # noqa: ANN001, ANN202 - vLLM's types
         """What ``request_finished`` answers: a held state's parameters stamped with the lease, pushed to an early leg's decode worker."""
@@ -243,8 +242,8 @@ class NixlConnector(NixlPullConnector):
         if self._timeline is not None:
             self._timeline.seen(request)
         params = request.kv_transfer_params
-        if self._hold is not None and held_key(params) is not None:  # an early leg held here until its push comes
-            outcome = self._hold.look(request.request_id, params)
+        if self._hold is not None and (key := held_key(params)) is not None:  # an early leg held here until its push comes
+            outcome = self._hold.look(request.request_id, key, params)
             if outcome is WAIT:
                 return None, False  # vLLM keeps it waiting and asks again next step
             params, pushed_at = outcome

@@ -23,40 +23,19 @@ refused it) frees nothing of the prefill's it does not know of: the prefill's le
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
-from hybrid_pd.connector.contract import HANDOFF_KEY_PARAM
+from hybrid_pd.connector.vllm.pushes import UNCLAIMED_S, Arrivals, parse_pushes
 
-__all__ = ["WAIT", "PushInbox", "SchedulerHold", "held_key", "parse_pushes"]
+__all__ = ["WAIT", "PushInbox", "SchedulerHold"]
 
 log = logging.getLogger("vllm.hybrid_pd.scheduler_hold")
 
 # What SchedulerHold.look answers for a leg whose push has not come: vLLM's scheduler keeps it waiting.
 WAIT = object()
-
-
-def held_key(params: Any) -> str | None:
-    """An early decode leg's hand-off key: parameters with a key, a remote prefill and no prefill located yet; else None (a
-    prefill leg names a key too, with ``do_remote_decode``)."""
-    if not isinstance(params, dict) or params.get("do_remote_prefill") is not True or "remote_engine_id" in params:
-        return None
-    key = params.get(HANDOFF_KEY_PARAM)
-    return key if isinstance(key, str) else None
-
-
-def parse_pushes(body: bytes) -> list[tuple[str, dict[str, Any]]] | None:
-    """A batch of pushes, (key, parameters) each, from its JSON (a list of ``{"key", "params"}``); None for anything else."""
-    try:
-        batch = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(batch, list) or not all(isinstance(p, dict) and isinstance(p.get("key"), str) and isinstance(p.get("params"), dict) for p in batch):
-        return None
-    return [(p["key"], p["params"]) for p in batch]
 
 
 class PushInbox:
@@ -65,42 +44,34 @@ class PushInbox:
     Read on the scheduler's thread (:meth:`take`), so no thread of ours competes for the engine's GIL.
     """
 
-    def __init__(self, port: int, unclaimed_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, port: int, unclaimed_s: float = UNCLAIMED_S, clock: Callable[[], float] = time.monotonic) -> None:
         import zmq
 
         self._zmq = zmq
         self._socket = zmq.Context.instance().socket(zmq.PULL)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.bind(f"tcp://*:{port}")
-        self._arrived: dict[str, tuple[float, dict[str, Any]]] = {}
-        self._unclaimed_s = unclaimed_s
-        self._clock = clock
-        self._pruned_at = clock()
+        self._arrived = Arrivals(unclaimed_s, clock)
 
     def take(self, key: str) -> tuple[float, dict[str, Any]] | None:
         """``key``'s push, when it came (monotonic) and its parameters, taken out; None while it has not come."""
         self._drain()
-        return self._arrived.pop(key, None)
+        return self._arrived.take(key)
 
     def close(self) -> None:
         self._socket.close(linger=0)
 
     def _drain(self) -> None:
-        now = self._clock()
         while True:
             try:
                 body = self._socket.recv(self._zmq.NOBLOCK)
             except self._zmq.Again:
-                break
+                return
             pushes = parse_pushes(body)
             if pushes is None:
                 log.warning("a hand-off push that is not a JSON list of {key, params} was dropped (%d bytes)", len(body))
-                continue
-            for key, params in pushes:
-                self._arrived[key] = (now, params)
-        if now - self._pruned_at > self._unclaimed_s:  # pushes for legs that ended before theirs came
-            self._arrived = {k: v for k, v in self._arrived.items() if now - v[0] <= self._unclaimed_s}
-            self._pruned_at = now
+            else:
+                self._arrived.put(pushes)
 
 
 class SchedulerHold:
@@ -113,11 +84,12 @@ class SchedulerHold:
         self._clock = clock
         self._first_look: dict[str, float] = {}  # vLLM request id -> when the scheduler first looked at it
 
-    def look(self, request_id: str, params: dict[str, Any]) -> object | tuple[dict[str, Any] | None, float | None]:
-        """The scheduler looks at a held leg (``params``: its parameters, :func:`held_key` not None): :data:`WAIT`, or the
+    def look(self, request_id: str, key: str, params: dict[str, Any]) -> object | tuple[dict[str, Any] | None, float | None]:
+        """The scheduler looks at a held leg (``key``: its hand-off key, :func:`~hybrid_pd.connector.vllm.pushes.held_key` of
+        ``params``, its parameters): :data:`WAIT`, or the
         parameters to go on with (held and pushed merged; None when no push came in time) and when the push came."""
         now = self._clock()
-        pushed = self._inbox.take(held_key(params) or "")
+        pushed = self._inbox.take(key)
         if pushed is not None:
             self._first_look.pop(request_id, None)
             return {**params, **pushed[1]}, pushed[0]
@@ -128,9 +100,9 @@ class SchedulerHold:
         log.warning("early leg %s: no push came in %.0f s; the prompt is computed here", request_id, self._wait_limit_s)
         return None, None
 
-    def ended(self, request_id: str, params: dict[str, Any]) -> dict[str, Any] | None:
+    def ended(self, request_id: str, key: str, params: dict[str, Any]) -> dict[str, Any] | None:
         """A held leg ended (aborted, refused) before vLLM went on with it: its parameters with the push merged, so the
         prefill's blocks are freed, where the push has come; else None (nothing of the prefill's is known here)."""
         self._first_look.pop(request_id, None)
-        pushed = self._inbox.take(held_key(params) or "")
+        pushed = self._inbox.take(key)
         return {**params, **pushed[1]} if pushed is not None else None
