@@ -14,12 +14,14 @@ install: $(STAMP)
 # (~1 GB, useless on CPU, and its presence switches vLLM to a model runner that needs a GPU).
 # lm-eval (the test extra) pulls scikit-learn, which `transformers` then imports, pandas with it, in every vLLM process
 # (~3 s of CPU each on the 2-core VM, three processes a worker); lm-eval imports it only for metrics our tasks do not use.
+# scikit-learn brings scipy, which nothing else here needs and `transformers` imports too where it finds it (its object
+# detection losses: scipy.optimize, ~0.5 s of CPU a process).
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[cpu,model,test,bench]'
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton
-	$(PY) -m pip uninstall -q -y scikit-learn
+	$(PY) -m pip uninstall -q -y scikit-learn scipy
 	$(PY) -c "import vllm, nixl, transformers, hybrid_pd.cli"
 	touch $(STAMP)
 
