@@ -299,6 +299,8 @@ class NixlConnector(NixlPullConnector):
     def build_connector_meta(self, scheduler_output):  # noqa: ANN001, ANN201 - vLLM's signature
         if self._timeline is not None:
             self._timeline.step(getattr(scheduler_output, "num_scheduled_tokens", {}))
+        if self._hold is not None:
+            self._hold.step_ended()
         meta = super().build_connector_meta(scheduler_output)
         setattr(meta, _LEASE_EXPIRY_ATTR, self._allocated_expiry)
         setattr(meta, _AWAITS_ATTR, awaits(PULL_AWAIT_S, scheduler_output.total_num_scheduled_tokens))

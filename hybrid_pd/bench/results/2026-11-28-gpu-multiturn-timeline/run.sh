@@ -39,6 +39,7 @@
 #   (--early-leg-hold scheduler), against the decode worker as shipped and a colocated server, 1 in flight at 1,000 and
 #   8,000 prompt tokens, then 1000/512 @ 64 ABBA (run12-scheduler-hold/).
 # Run 13 (run13.env, ONE GPU): run 12's load points again, each pair warmed at 64 in flight first (run13-scheduler-load/).
+# Run 14 (run14.env, ONE GPU): run 13 after the scheduler hold reads its inbox once a step (run14-scheduler-step/).
 # Calls (the machine goes cold ~30 s after a call: never leave a gap):
 #   call 3: bash .gpu/c3/unpack.sh --all .gpu/c3/c3.tar.xz || exit; source .gpu/c3/env.sh; bash hybrid_pd/bench/results/2026-11-28-gpu-multiturn-timeline/run.sh start
 #   call 4: bash /tmp/site/.gpu-payload/unpack.sh --all >/dev/null || exit; source /tmp/site/.gpu-payload/env.sh; bash hybrid_pd/bench/results/2026-11-28-gpu-multiturn-timeline/run.sh wait 500; bash hybrid_pd/bench/results/2026-11-28-gpu-multiturn-timeline/run.sh pack

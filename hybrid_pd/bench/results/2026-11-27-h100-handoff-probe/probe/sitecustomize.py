@@ -51,19 +51,43 @@ def _extra(name, args, result):
         return {"err": repr(e)}
     return None
 
+# HANDOFF_PROBE_PROFILE=N (2026-11-29-cpu-held-legs): a cProfile of the first N schedule() calls with 32+ requests waiting
+# and one running, written to $HANDOFF_PROBE_DIR/schedule-<pid>.pstats.
+_PROFILE = {"left": int(os.environ.get("HANDOFF_PROBE_PROFILE") or 0), "prof": None}
+
+def _profiled(qual, args):
+    if qual != "Scheduler.schedule" or _PROFILE["left"] <= 0 or len(args[0].waiting) < 32 or not args[0].running:
+        return None
+    import cProfile
+    _PROFILE["prof"] = _PROFILE["prof"] or cProfile.Profile()
+    return _PROFILE["prof"]
+
+def _profiled_end(prof):
+    prof.disable()
+    _PROFILE["left"] -= 1
+    if _PROFILE["left"] == 0:
+        prof.dump_stats(os.path.join(_DIR, f"schedule-{os.getpid()}.pstats"))
+
 def _wrap(cls, meth, qual):
     fn = cls.__dict__.get(meth) or getattr(cls, meth, None)
     if fn is None or getattr(fn, "_probe", False):
         return
     @functools.wraps(fn)
     def w(*args, **kw):
+        # what waited and ran as the scheduler began its step (2026-11-29-cpu-held-legs: legs held in it)
+        before = {"waiting": len(args[0].waiting), "running": len(args[0].running)} if qual == "Scheduler.schedule" else None
+        prof = _profiled(qual, args)
+        if prof is not None:
+            prof.enable()
         t0 = time.monotonic()
         try:
             res = fn(*args, **kw)
             return res
         finally:
             t1 = time.monotonic()
-            rec = {"f": qual, "t0": t0, "d": (t1 - t0) * 1e3}
+            if prof is not None:
+                _profiled_end(prof)
+            rec = {"f": qual, "t0": t0, "d": (t1 - t0) * 1e3, **(before or {})}
             try:
                 ex = _extra(qual, args, locals().get("res"))
             except Exception:
