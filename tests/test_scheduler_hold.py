@@ -82,6 +82,18 @@ def test_the_inbox_is_read_once_a_scheduler_step_whatever_the_number_of_legs_hel
     assert hold.look("req-1", "k1", HELD)[0] == {**HELD, **PUSHED}
 
 
+def test_a_held_leg_ending_between_steps_leaves_the_next_step_its_own_read(inbox):
+    port, box = inbox
+    hold = SchedulerHold(box, wait_limit_s=120)
+    assert hold.look("req-1", "k1", HELD) is WAIT
+    hold.step_ended()
+    assert hold.ended("req-2", "k2", {**HELD, HANDOFF_KEY_PARAM: "k2"}) is None  # vLLM ends a leg between steps: read now
+    outbox = Outbox()
+    outbox.push(f"tcp://127.0.0.1:{port}", "k1", PUSHED)
+    time.sleep(0.2)
+    assert hold.look("req-1", "k1", HELD)[0] == {**HELD, **PUSHED}  # the next step reads the inbox again
+
+
 def test_a_push_that_came_before_its_leg_waits_for_it_and_one_for_another_leg_stays(inbox):
     port, box = inbox
     outbox = Outbox()

