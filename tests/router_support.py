@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import httpx
 
-from hybrid_pd.connector.contract import HANDOFF_PATH
+from hybrid_pd.connector.contract import HANDOFF_PATH, HANDOFF_REACH_QUERY
 from hybrid_pd.router.app import RouterApp, create_app
 from hybrid_pd.router.registry import Worker
 from hybrid_pd.router.settings import RouterSettings
@@ -35,6 +35,8 @@ class Workers:
         self.decode_breaks = False
         self.handoff = False  # whether they answer the early decode leg's probe (hybrid_pd/connector/vllm/handoff.py)
         self.inbox: str | None = None  # the decode engine's inbox the probe names (its scheduler holds early legs)
+        self.reaches: bool | None = None  # the prefill's answer when asked whether it reaches an inbox (None: says nothing)
+        self.reach_asked: list[str] = []  # the inboxes the prefill was asked of, in order
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         worker = "prefill" if request.url.host == "prefill.test" else "decode"
@@ -43,6 +45,9 @@ class Workers:
                 return httpx.Response(200, json={"object": "list", "data": [{"id": "m", "root": f"/{worker}"}]})
             if request.url.path == HANDOFF_PATH:
                 inbox = {"inbox": self.inbox} if self.inbox and worker == "decode" else {}
+                if (asked := request.url.params.get(HANDOFF_REACH_QUERY)) is not None:
+                    self.reach_asked.append(asked)
+                    inbox = {"reaches": self.reaches} if self.reaches is not None else {}
                 return httpx.Response(200 if self.handoff else 404, json={"handoff": 1, **inbox} if self.handoff else {})
             return httpx.Response(200, json={"version": "test"} if request.url.path == "/version" else {})
         body = json.loads(request.content) if request.content else {}

@@ -14,10 +14,11 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
+from urllib.parse import urlencode
 
 import pytest
 
-from hybrid_pd.connector.contract import HANDOFF_KEY_HEADER, HANDOFF_KEY_PARAM, HANDOFF_PATH
+from hybrid_pd.connector.contract import HANDOFF_INBOX_ENV, HANDOFF_KEY_HEADER, HANDOFF_KEY_PARAM, HANDOFF_PATH, HANDOFF_REACH_QUERY
 from hybrid_pd.connector.trace.timeline import REQUEST_ID_PARAM
 from hybrid_pd.connector.vllm import handoff
 from hybrid_pd.connector.vllm.handoff import HandoffMiddleware, Outbox
@@ -58,7 +59,8 @@ class _Events:
 
 
 async def _call(
-    middleware: HandoffMiddleware, method: str, path: str, body: bytes = b"", leave: asyncio.Event | None = None, early: bool = False
+    middleware: HandoffMiddleware, method: str, path: str, body: bytes = b"", leave: asyncio.Event | None = None, early: bool = False,
+    query: bytes = b"",
 ) -> tuple[int, bytes]:
     """One request through ``middleware``; ``leave``: when set, the client disconnects; ``early``: it says it is an early leg
     (the router's header)."""
@@ -77,7 +79,7 @@ async def _call(
         sent.append(message)
 
     headers = [(HANDOFF_KEY_HEADER.encode(), b"k")] if early else []
-    await middleware({"type": "http", "method": method, "path": path, "headers": headers}, receive, send)
+    await middleware({"type": "http", "method": method, "path": path, "query_string": query, "headers": headers}, receive, send)
     if not sent:
         return 0, b""
     return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:])
@@ -202,6 +204,42 @@ async def test_one_post_brings_several_pushes():
 async def test_a_malformed_push_is_a_400(body):
     status, answer = await _call(_server_held(_App()), "POST", HANDOFF_PATH, body)
     assert status == 400 and b"error" in answer
+
+
+async def test_asked_the_probe_says_whether_this_host_reaches_a_peers_inbox(unused_tcp_port):
+    listening = await asyncio.start_server(lambda reader, writer: writer.close(), "127.0.0.1", 0)
+    port = listening.sockets[0].getsockname()[1]
+    middleware = _server_held(_App())
+    async with listening:
+        for inbox, reaches in ((f"tcp://127.0.0.1:{port}", b"true"), (f"tcp://127.0.0.1:{unused_tcp_port}", b"false")):
+            query = urlencode({HANDOFF_REACH_QUERY: inbox}).encode()
+            assert await _call(middleware, "GET", HANDOFF_PATH, query=query) == (200, b'{"handoff":1,"reaches":' + reaches + b"}")
+    for bad in ("http://127.0.0.1:80", "tcp://127.0.0.1", "tcp://:80", "tcp://h:x"):
+        status, answer = await _call(middleware, "GET", HANDOFF_PATH, query=urlencode({HANDOFF_REACH_QUERY: bad}).encode())
+        assert status == 400 and b"tcp://host:port" in answer, bad
+
+
+async def test_where_the_engine_takes_the_pushes_one_posted_to_the_server_goes_on_to_it(monkeypatch, unused_tcp_port):
+    """A decode worker whose scheduler holds early legs (scheduler_hold) relays a push POSTed to its server (the router's choice
+    while the prefill is not known to reach the inbox: hybrid_pd/router/inbox_reach.py) to its engine's inbox on this host,
+    whatever host the inbox's address names."""
+    zmq = pytest.importorskip("zmq")
+    inbox = zmq.Context.instance().socket(zmq.PULL)
+    inbox.bind(f"tcp://127.0.0.1:{unused_tcp_port}")
+    monkeypatch.setenv(HANDOFF_INBOX_ENV, f"tcp://decode.example:{unused_tcp_port}")
+    try:
+        middleware = HandoffMiddleware(_App())
+        assert await _call(middleware, "GET", HANDOFF_PATH) == (200, json.dumps({"handoff": 1, "inbox": f"tcp://decode.example:{unused_tcp_port}"},
+                                                                                separators=(",", ":")).encode())  # fmt: skip
+        assert await _call(middleware, "POST", HANDOFF_PATH, _push("x", "y")) == (204, b"")
+        assert inbox.poll(5000), "nothing reached the engine's inbox"
+        received = [json.loads(inbox.recv())]
+        while inbox.poll(1000) and len(received) < 2:
+            received.append(json.loads(inbox.recv()))
+        assert [p["key"] for batch in received for p in batch] == ["x", "y"]
+        assert all(p["params"] == PUSHED for batch in received for p in batch)
+    finally:
+        inbox.close(linger=0)
 
 
 class _Server:

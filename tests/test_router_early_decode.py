@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from hybrid_pd.connector.contract import HANDOFF_KEY_HEADER, HANDOFF_KEY_PARAM, HANDOFF_URL_PARAM
+from hybrid_pd.connector.contract import HANDOFF_KEY_HEADER, HANDOFF_KEY_PARAM, HANDOFF_REACH_QUERY, HANDOFF_URL_PARAM
 from hybrid_pd.connector.trace.timeline import REQUEST_ID_PARAM
 from hybrid_pd.router.app import RouterApp
 from tests.router_support import DECODE, Workers, asgi_client, probed, router_app
@@ -72,19 +72,49 @@ async def test_the_decode_leg_is_in_flight_while_the_prefill_runs_and_both_legs_
     assert 'hybrid_pd_disaggregated_total{reason="disaggregated"} 1.0' in metrics
 
 
-@pytest.mark.parametrize("inbox", ["tcp://10.0.0.7:6123", "not-a-zmq-address"])
-async def test_the_prefill_pushes_to_the_decode_engines_inbox_where_its_probe_names_one(early_workers, inbox):
+@pytest.mark.parametrize(("inbox", "reaches", "pushed_to"), [("tcp://10.0.0.7:6123", True, "inbox"), ("tcp://10.0.0.7:6123", False, DECODE),
+                                                            ("tcp://10.0.0.7:6123", None, DECODE), ("not-a-zmq-address", True, DECODE)])  # fmt: skip
+async def test_the_prefill_pushes_to_the_decode_engines_inbox_where_its_probe_names_one_the_prefill_reaches(early_workers, inbox, reaches, pushed_to):
     """A decode worker whose scheduler holds early legs (hybrid_pd/connector/vllm/scheduler_hold.py) names its engine's inbox
-    in the probe's answer: the prefill pushes there, not to its server. Anything but a tcp:// address is not an inbox."""
-    early_workers.inbox = inbox
+    in the probe's answer: the prefill pushes there once its server said its host reaches it (hybrid_pd/router/inbox_reach.py),
+    else to the decode worker's server, which relays it (a prefill that does not answer the question, another version: no).
+    Anything but a tcp:// address is not an inbox, and nobody is asked of it."""
+    early_workers.inbox, early_workers.reaches = inbox, reaches
     app = router_app(early_workers)
     async with app.router.lifespan_context(app):
         await probed(app, lambda w: w.identity.handoff is not None)
+        if inbox.startswith("tcp://"):
+            await probed(app, lambda w: w.role == "decode" or inbox in w.inboxes)
         async with asgi_client(app) as client:
             r = await client.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 8})
+        views = [w.view() for w in app.state.router.registry.all()]  # as GET /admin/workers shows them
     assert r.status_code == 200
     legs = {worker: body for worker, body, _ in early_workers.calls}
-    assert legs["prefill"]["kv_transfer_params"][HANDOFF_URL_PARAM] == (inbox if inbox.startswith("tcp://") else DECODE)
+    assert legs["prefill"]["kv_transfer_params"][HANDOFF_URL_PARAM] == (inbox if pushed_to == "inbox" else pushed_to)
+    assert early_workers.reach_asked == ([inbox] if inbox.startswith("tcp://") else [])  # once: a no is asked again only later
+    prefill = next(v for v in views if v["role"] == "prefill")
+    assert prefill.get("reaches_inboxes") == ({inbox: reaches is True} if inbox.startswith("tcp://") else None)
+
+
+async def test_until_the_prefill_has_said_it_reaches_the_inbox_it_pushes_to_the_decode_workers_server(early_workers):
+    answer = asyncio.Event()
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.params.get(HANDOFF_REACH_QUERY) is not None:
+            await answer.wait()
+        return early_workers(request)
+
+    early_workers.inbox, early_workers.reaches = "tcp://10.0.0.7:6123", True
+    app = router_app(handler)
+    async with app.router.lifespan_context(app):
+        await probed(app, lambda w: w.identity.handoff is not None)
+        async with asgi_client(app) as client:
+            await client.post("/v1/completions", json={"model": "m", "prompt": "hi"})
+            answer.set()
+            await probed(app, lambda w: w.role == "decode" or bool(w.inboxes))
+            await client.post("/v1/completions", json={"model": "m", "prompt": "hi"})
+    pushed_to = [body["kv_transfer_params"][HANDOFF_URL_PARAM] for worker, body, _ in early_workers.calls if worker == "prefill"]
+    assert pushed_to == [DECODE, "tcp://10.0.0.7:6123"]
 
 
 async def test_every_pair_gets_its_own_key(early, early_workers):

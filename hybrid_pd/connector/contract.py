@@ -23,6 +23,7 @@ __all__ = [
     "HANDOFF_KEY_HEADER",
     "HANDOFF_KEY_PARAM",
     "HANDOFF_PATH",
+    "HANDOFF_REACH_QUERY",
     "HANDOFF_URL_PARAM",
     "IDLE_POLL",
     "LOCAL_PROMPT_TOKENS",
@@ -80,8 +81,12 @@ TIMELINE_SOURCE_ENV = "HYBRID_PD_TIMELINE_SOURCE"
 # prefill's engine pushes the state's whereabouts (its kv_transfer_params) to the decode worker's vLLM server at
 # HANDOFF_PATH the moment the prefill ends, where the early leg waits for them. A worker whose server answers
 # GET HANDOFF_PATH with 200 takes part; where its engine takes the pushes itself (scheduler_hold), the answer's JSON
-# names that inbox ({"handoff": 1, "inbox": "tcp://host:port"}). The legs' kv_transfer_params name the hand-off:
+# names that inbox ({"handoff": 1, "inbox": "tcp://host:port"}); pushes POSTed to such a server are relayed there. Asked
+# GET HANDOFF_PATH?HANDOFF_REACH_QUERY=tcp://host:port, a worker's server says whether its host opens a connection there
+# ({"handoff": 1, "reaches": true}): the router sends pushes to an inbox only once the prefill worker reaches it
+# (hybrid_pd.router.inbox_reach). The legs' kv_transfer_params name the hand-off:
 HANDOFF_PATH = "/hybrid_pd/handoff"
+HANDOFF_REACH_QUERY = "reach"
 HANDOFF_KEY_PARAM = "hybrid_pd_handoff_key"  # both legs: the pair's key, the same on both
 HANDOFF_URL_PARAM = "hybrid_pd_handoff_url"  # the prefill leg: where to push (the decode worker's vLLM server, or its engine's inbox)
 # The early decode leg says so in this header too: the decode worker's server reads the body of such a leg only, and

@@ -34,6 +34,7 @@ from starlette.types import Message, Receive, Scope, Send
 from hybrid_pd.common.logs import request_id_var
 from hybrid_pd.common.openai_errors import OpenAIError, error_body
 from hybrid_pd.connector.compat import WorkerIdentity
+from hybrid_pd.router import inbox_reach
 from hybrid_pd.router.admin import admin_routes
 from hybrid_pd.router.autoscale import register_signals
 from hybrid_pd.router.aux_endpoints import AUX_PATHS, forward
@@ -125,11 +126,12 @@ def create_app(settings: RouterSettings, transport: httpx.AsyncBaseTransport | N
         async with Upstream(transport or AiohttpTransport(keepalive_s=settings.upstream_keepalive_s), timeout) as upstream:
             state.upstream = upstream
             health = asyncio.create_task(registry.watch(upstream, settings.health_interval_s))
+            reach = asyncio.create_task(inbox_reach.watch(registry, upstream, settings.health_interval_s))
             plans = asyncio.create_task(planner.run(upstream)) if planner.looks else None
             try:
                 yield
             finally:
-                for task in (health, plans):
+                for task in (health, reach, plans):
                     if task is not None:
                         task.cancel()
                         with suppress(asyncio.CancelledError):

@@ -63,6 +63,9 @@ class Worker:
     load: LiveLoad = field(default_factory=LiveLoad)
     # The prompts the router sent here, for the prefix_reuse policy (hybrid_pd/router/prefix_index.py).
     prefixes: SentPrefixes = field(default_factory=SentPrefixes, repr=False, compare=False)
+    # A prefilling worker: whether its host reaches each decode engine's inbox it was asked of, and when it said so
+    # (hybrid_pd/router/inbox_reach.py).
+    inboxes: dict[str, tuple[bool, float]] = field(default_factory=dict, repr=False, compare=False)
     last_seen: float = field(default_factory=time.monotonic)
 
     @property
@@ -81,6 +84,7 @@ class Worker:
             "inflight_tokens": self.inflight_tokens,
             "consecutive_failures": self.failures,
             "identity": self.identity.to_json(),
+            **({"reaches_inboxes": {inbox: answer[0] for inbox, answer in self.inboxes.items()}} if self.inboxes else {}),
         }
 
 

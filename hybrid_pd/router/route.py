@@ -33,6 +33,7 @@ from hybrid_pd.common.logs import kv
 from hybrid_pd.common.openai_errors import OpenAIError
 from hybrid_pd.connector.contract import HANDOFF_KEY_HEADER
 from hybrid_pd.connector.trace.timeline import TimelineWriter, writer_for
+from hybrid_pd.router.inbox_reach import push_url
 from hybrid_pd.router.legs import Handoff, LegEncoder, decode_body, early_decode_body, prefill_body
 from hybrid_pd.router.migration import Opened, is_migratable, migrating_chunks, with_stall_timeout, with_token_ids
 from hybrid_pd.router.policies import RequestInfo
@@ -296,7 +297,7 @@ async def route(state: RouterState, path: str, body: dict[str, Any], request_id:
 def _handoff(state: RouterState, prefill: Worker, decode: Worker) -> Handoff | None:
     """An early decode leg's hand-off, where the router sends them and both workers take part; else None."""
     if state.settings.early_decode and prefill.identity.handoff and decode.identity.handoff:
-        return Handoff(uuid.uuid4().hex, decode.identity.handoff_inbox or decode.url)
+        return Handoff(uuid.uuid4().hex, push_url(prefill, decode))
     return None
 
 

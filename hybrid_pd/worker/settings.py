@@ -70,7 +70,8 @@ class WorkerSettings(BaseSettings):
     handoff_port: int | None = Field(
         None,
         description="decode and flex with --early-leg-hold scheduler: the port, on --side-channel-host, its engine takes "
-        "the prefill's pushes on (default: a free one, picked at start)",
+        "the prefill's pushes on (default: a free one, picked at start); prefill workers must reach it, or their pushes "
+        "go through this worker's server (the router asks them)",
     )
     nixl_trace_dir: str | None = Field(
         None, description="record every NIXL transfer into this folder (hybrid_pd/bench/nixl_floor.py replays it)"

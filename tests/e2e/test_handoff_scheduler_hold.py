@@ -11,6 +11,7 @@ last test kills a decode worker of the session stack (this one, as often as not)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 
@@ -22,7 +23,8 @@ from hybrid_pd.bench.timeline import SCHEDULER_SEGMENTS, load_events, timelines
 from hybrid_pd.connector.contract import HANDOFF_KEY_PARAM, HANDOFF_PATH
 from hybrid_pd.connector.trace.http import TimelineMiddleware
 from hybrid_pd.connector.trace.timeline import writer_for
-from hybrid_pd.router.app import create_app
+from hybrid_pd.router.app import RouterApp, create_app
+from hybrid_pd.router.registry import Worker
 from hybrid_pd.router.settings import RouterSettings
 from hybrid_pd.stack import Stack
 from tests.e2e.support import metric, settled, wait_for
@@ -40,17 +42,24 @@ def held(stack: Stack, timeline_dir) -> tuple[str, httpx.Client]:
     probe = httpx.get(decode + HANDOFF_PATH, timeout=10).json()
     assert probe["inbox"].startswith("tcp://127.0.0.1:"), probe  # its engine takes the pushes
     settings = RouterSettings(prefill=[prefill], decode=[decode], timeline_dir=str(timeline_dir))
-    app = TimelineMiddleware(create_app(settings), writer_for(str(timeline_dir), "router"))  # as `hybrid-pd router --timeline-dir`
+    router = create_app(settings)
+    app = TimelineMiddleware(router, writer_for(str(timeline_dir), "router"))  # as `hybrid-pd router --timeline-dir`
     with serve_in_thread(app, lifespan="on") as url, httpx.Client(base_url=decode, timeout=120) as client:
         available = lambda: httpx.get(url + "/health").json()["available"]  # noqa: E731
         assert wait_for(lambda: len(available()["prefill"]) == len(available()["decode"]) == 1, timeout_s=60)
+        # The prefill worker said it reaches the inbox (hybrid_pd/router/inbox_reach.py): its engine pushes straight there.
+        assert wait_for(lambda: _prefill(router).inboxes.get(probe["inbox"], (False,))[0], timeout_s=30)
         yield url, client
 
 
-def _greedy(base_url: str, prompt: list[int], request_id: str | None = None) -> tuple[list[int], list[float]]:
+def _prefill(router: RouterApp) -> Worker:
+    return router.state.router.registry.role("prefill")[0]
+
+
+def _greedy(base_url: str, prompt: list[int], request_id: str | None = None, timeout_s: float = 120) -> tuple[list[int], list[float]]:
     body = {"model": "hybrid-pd-tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0, "logprobs": 1, "return_token_ids": True}
     headers = {"X-Request-Id": request_id} if request_id else {}
-    r = httpx.post(base_url + "/v1/completions", json=body, headers=headers, timeout=120)
+    r = httpx.post(base_url + "/v1/completions", json=body, headers=headers, timeout=timeout_s)
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     return choice["token_ids"], choice["logprobs"]["token_logprobs"]
@@ -112,3 +121,23 @@ def test_a_held_leg_that_ends_before_its_push_leaves_the_decode_engine_serving(h
     refused = decode.post("/v1/completions", json=_held_leg(10**6, False))
     assert refused.status_code == 400, refused.text
     _answers_like_colocated(router_url, decode, colocated, PROMPT[:90], f"sched-after-{uuid.uuid4().hex[:8]}")
+
+
+def test_where_the_prefill_does_not_reach_the_decode_engines_inbox_the_push_goes_through_the_decode_server(stack, colocated, unused_tcp_port):
+    """The inbox's address the router has is not one the prefill's host reaches (here a closed port; in a deployment a
+    firewall, a host it cannot resolve). ZMQ would queue the pushes there and say nothing: each leg waited out the 120 s
+    limit. The prefill says it does not reach it; the push goes to the decode worker's server, which relays it to its engine."""
+    prefill, decode = stack.workers("prefill")[0].url, stack.workers("decode")[1].url
+    router = create_app(RouterSettings(prefill=[prefill], decode=[decode]))
+    with serve_in_thread(router, lifespan="on") as url, httpx.Client(base_url=decode, timeout=120) as client:
+        registry = router.state.router.registry
+        assert wait_for(lambda: all(w.identity.handoff_inbox is not None for w in registry.role("decode")), timeout_s=60)
+        unreachable = f"tcp://127.0.0.1:{unused_tcp_port}"
+        worker = registry.role("decode")[0]
+        worker.identity = dataclasses.replace(worker.identity, handoff_inbox=unreachable)
+        assert wait_for(lambda: _prefill(router).inboxes.get(unreachable, (None,))[0] is False, timeout_s=30)
+        before = settled(lambda: metric(client, XFERS))
+        tokens, _ = _greedy(url, PROMPT[:110], f"sched-unreached-{uuid.uuid4().hex[:8]}", timeout_s=60)  # not 120 s
+        reference, _ = _greedy(str(colocated.base_url), PROMPT[:110])
+        assert tokens == reference
+        assert settled(lambda: metric(client, XFERS)) == before + 1  # pulled, not computed here

@@ -30,7 +30,11 @@ Two parts, one per process they run in:
     :data:`HANDOFF_KEY_HEADER`): any other request goes on to vLLM as it came, its body unread;
   - or, chosen (``--early-leg-hold scheduler``), **in vLLM's scheduler**, the push sent by the prefill's engine
     straight to the decode engine's inbox, not to this server (:mod:`hybrid_pd.connector.vllm.scheduler_hold`):
-    here the probe names that inbox and nothing is held.
+    here the probe names that inbox and nothing is held; a push POSTed here all the same (the router's choice while
+    the prefill worker is not known to reach the inbox: :mod:`hybrid_pd.router.inbox_reach`) is relayed to it.
+
+Every P/D worker's server also answers the router's question whether its host reaches a peer's inbox
+(``GET`` :data:`HANDOFF_PATH` ``?reach=tcp://host:port``): a connection opened and closed, nothing sent.
 
 Why the request waits before the engine by default and not in it: a request waiting in vLLM's
 scheduler (its connector answering "ask again later") makes the engine step its model workers every
@@ -60,9 +64,16 @@ import queue
 import threading
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
-from hybrid_pd.connector.contract import EARLY_LEG_HOLD_ENV, HANDOFF_INBOX_ENV, HANDOFF_KEY_HEADER, HANDOFF_KEY_PARAM, HANDOFF_PATH
+from hybrid_pd.connector.contract import (
+    EARLY_LEG_HOLD_ENV,
+    HANDOFF_INBOX_ENV,
+    HANDOFF_KEY_HEADER,
+    HANDOFF_KEY_PARAM,
+    HANDOFF_PATH,
+    HANDOFF_REACH_QUERY,
+)
 from hybrid_pd.connector.trace.timeline import REQUEST_ID_PARAM, TimelineWriter
 from hybrid_pd.connector.trace.timeline import from_env as timeline_from_env
 from hybrid_pd.connector.vllm.pushes import Arrivals, held_key, parse_pushes
@@ -75,6 +86,9 @@ log = logging.getLogger("vllm.hybrid_pd.handoff")
 # Not a latency bound: a prefill queued behind others under load can take tens of seconds.
 WAIT_LIMIT_S = 120.0
 _POST_TIMEOUT_S = 5.0
+# How long the reach check waits for a peer's inbox to accept a connection: a closed port refuses at once; a dropped
+# one (a firewall) says nothing, and the router's own wait for the answer is longer than this.
+REACH_TIMEOUT_S = 2.0
 
 
 class Outbox:
@@ -165,8 +179,10 @@ class HandoffMiddleware:
         self.writer = writer if writer is not None else timeline_from_env()
         self._arrived = Arrivals()
         self._waiting: dict[str, asyncio.Event] = {}  # early legs held, by key
-        # Held in vLLM's scheduler (scheduler_hold): the engine's inbox, which the probe names; nothing is held here.
+        # Held in vLLM's scheduler (scheduler_hold): the engine's inbox, which the probe names; nothing is held here, and
+        # pushes POSTed here go on to the engine on this host.
         self.inbox = os.environ.get(HANDOFF_INBOX_ENV)
+        self._relay = (Outbox(), f"tcp://127.0.0.1:{urlsplit(self.inbox).port}") if self.inbox else None
         self.in_engine_client = (self.inbox is None and os.environ.get(EARLY_LEG_HOLD_ENV) != "server"
                                  and hold_in_engine_client(self, engine_client))  # fmt: skip
 
@@ -198,17 +214,40 @@ class HandoffMiddleware:
 
     async def _handoff(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["method"] == "GET":
-            await _answer(send, 200, json.dumps({"handoff": 1, **({"inbox": self.inbox} if self.inbox else {})}, separators=(",", ":")).encode())
+            await self._probe(scope, send)
             return
         pushes = parse_pushes(await _body(receive))
         if pushes is None:
             await _answer(send, 400, b'{"error":"a JSON list of objects, each with a string key and an object params"}')
+            return
+        if self._relay is not None:
+            outbox, engine = self._relay
+            for key, params in pushes:
+                outbox.push(engine, key, params)
+            await _answer(send, 204, b"")
             return
         self._arrived.put(pushes)
         for key, _ in pushes:
             if (event := self._waiting.get(key)) is not None:
                 event.set()
         await _answer(send, 204, b"")
+
+    async def _probe(self, scope: Scope, send: Send) -> None:
+        """The router's probe: this worker takes part (and where its engine takes pushes); asked, whether this host reaches
+        a peer's inbox."""
+        answer: dict[str, Any] = {"handoff": 1, **({"inbox": self.inbox} if self.inbox else {})}
+        asked = parse_qs(scope.get("query_string", b"").decode("latin-1")).get(HANDOFF_REACH_QUERY)
+        if asked is not None:
+            peer = urlsplit(asked[0])
+            try:
+                port = peer.port
+            except ValueError:
+                port = None
+            if peer.scheme != "tcp" or not peer.hostname or port is None:
+                await _answer(send, 400, json.dumps({"error": f"{HANDOFF_REACH_QUERY}: a tcp://host:port, not {asked[0][:100]!r}"}).encode())
+                return
+            answer["reaches"] = await _reaches(peer.hostname, port)
+        await _answer(send, 200, json.dumps(answer, separators=(",", ":")).encode())
 
     async def _generation(self, scope: Scope, receive: Receive, send: Send) -> None:
         """A generation request that says it is an early leg: it waits for its push here; one that is not goes on as it came."""
@@ -322,6 +361,18 @@ async def _body(receive: Receive) -> bytes:
         chunks.append(message.get("body", b""))
         if not message.get("more_body"):
             return b"".join(chunks)
+
+
+async def _reaches(host: str, port: int) -> bool:
+    """Whether a TCP connection to ``host:port`` opens from here within :data:`REACH_TIMEOUT_S` (closed at once, nothing sent)."""
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), REACH_TIMEOUT_S)
+    except (OSError, asyncio.TimeoutError):
+        return False
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return True
 
 
 async def _disconnected(receive: Receive) -> None:

