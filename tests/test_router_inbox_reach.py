@@ -65,3 +65,6 @@ async def test_answers_are_kept_a_no_is_logged_once_and_a_worker_that_did_not_an
             await learn(upstream, [*prefills, decode], now=2 * RECHECK_S)
     assert prefills[0].inboxes == {INBOX: (True, 2 * RECHECK_S)}
     assert "now reaches" in caplog.text
+    async with Upstream(httpx.MockTransport(handler), httpx.Timeout(5)) as upstream:
+        await learn(upstream, prefills, now=3 * RECHECK_S)  # the decode worker left: what was said of its inbox goes
+    assert [p.inboxes for p in prefills] == [{}, {}, {}]

@@ -79,8 +79,14 @@ async def _ask(upstream: Upstream, prefill: Worker, inbox: str) -> bool | None:
 
 
 async def learn(upstream: Upstream, workers: Iterable[Worker], now: float | None = None) -> None:
-    """Ask the questions due (:func:`to_ask`) at once and keep each answer on its prefill worker."""
+    """Ask the questions due (:func:`to_ask`) at once and keep each answer on its prefill worker; forget the answers about
+    inboxes no registered worker names any more (decode pods come and go, each with an address of its own)."""
     now = time.monotonic() if now is None else now
+    workers = list(workers)
+    named = {w.identity.handoff_inbox for w in workers}
+    for worker in workers:
+        for gone in worker.inboxes.keys() - named:
+            del worker.inboxes[gone]
     questions = to_ask(workers, now)
     answers = await asyncio.gather(*(_ask(upstream, prefill, inbox) for prefill, inbox in questions))
     for (prefill, inbox), reaches in zip(questions, answers, strict=True):
