@@ -42,6 +42,10 @@
 # Run 14 (run14.env, ONE GPU): run 13 after the scheduler hold reads its inbox once a step (run14-scheduler-step/).
 # Run 15 (run15.env, ONE GPU): the TTFT target at 1 in flight after that cut, two rounds at 1,000 tokens (run15-ttft/).
 # Run 16 (run16.env, ONE GPU): run 15's second round at 1,000 tokens and a round at 8,000 (run16-ttft/).
+# Run 17 (run17.env, TWO GPUs, prepared, not run: nvidia-h200-x2 not lent): the standing check for --early-leg-hold scheduler.
+# Run 18 (run18.env, ONE GPU): the hand-off with and without vLLM's asynchronous scheduling on the decode engine. Its one
+#   try (2026-11-29, 480 s of device time with the kit) measured nothing: the three servers were ready at 349 s and the
+#   call's `timeout 380 run.sh start` (set to fit the device time left) ended before the first point did. Give it ~600 s.
 # Calls (the machine goes cold ~30 s after a call: never leave a gap):
 #   call 3: bash .gpu/c3/unpack.sh --all .gpu/c3/c3.tar.xz || exit; source .gpu/c3/env.sh; bash hybrid_pd/bench/results/2026-11-28-gpu-multiturn-timeline/run.sh start
 #   call 4: bash /tmp/site/.gpu-payload/unpack.sh --all >/dev/null || exit; source /tmp/site/.gpu-payload/env.sh; bash hybrid_pd/bench/results/2026-11-28-gpu-multiturn-timeline/run.sh wait 500; bash hybrid_pd/bench/results/2026-11-28-gpu-multiturn-timeline/run.sh pack
