@@ -5,7 +5,8 @@ The early leg goes into the decode engine while the prefill runs; the prefill's 
 over ZMQ to the decode engine's inbox, its scheduler takes them and pulls. It answers like the colocated server, with one
 transfer, and the hand-off timeline follows that chain. A held leg that ends before its push (its client left, vLLM
 refused it) leaves the engine serving: vLLM's NIXL connector fails on a leg whose prefill is not located (vLLM 0.32:
-``KeyError: 'remote_block_ids'``, the decode engine down). This module sorts before ``test_router_resilience.py``, whose
+``KeyError: 'remote_block_ids'``, the decode engine down). Where the prefill does not reach the inbox, the push goes
+through the decode worker's server (hybrid_pd/router/inbox_reach.py). This module sorts before ``test_router_resilience.py``, whose
 last test kills a decode worker of the session stack (this one, as often as not).
 """
 
