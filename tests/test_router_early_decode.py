@@ -113,8 +113,10 @@ async def test_until_the_prefill_has_said_it_reaches_the_inbox_it_pushes_to_the_
             answer.set()
             await probed(app, lambda w: w.role == "decode" or bool(w.inboxes))
             await client.post("/v1/completions", json={"model": "m", "prompt": "hi"})
+            metrics = (await client.get("/metrics")).text
     pushed_to = [body["kv_transfer_params"][HANDOFF_URL_PARAM] for worker, body, _ in early_workers.calls if worker == "prefill"]
     assert pushed_to == [DECODE, "tcp://10.0.0.7:6123"]
+    assert 'hybrid_pd_early_legs_total{push="server"} 1.0' in metrics and 'hybrid_pd_early_legs_total{push="inbox"} 1.0' in metrics
 
 
 async def test_every_pair_gets_its_own_key(early, early_workers):

@@ -35,12 +35,12 @@ def test_each_available_prefilling_worker_is_asked_of_each_other_available_inbox
 
 def test_the_prefill_pushes_to_the_inbox_only_where_it_said_it_reaches_it():
     p, d, plain = _worker("p", "prefill"), _worker("d", "decode", INBOX), _worker("plain", "decode")
-    assert push_url(p, d) == d.url  # not asked yet
+    assert push_url(p, d) == ("server", d.url)  # not asked yet
     p.inboxes[INBOX] = (False, 0.0)
-    assert push_url(p, d) == d.url
+    assert push_url(p, d) == ("server", d.url)
     p.inboxes[INBOX] = (True, 0.0)
-    assert push_url(p, d) == INBOX
-    assert push_url(p, plain) == plain.url  # its early legs wait in its server or engine client
+    assert push_url(p, d) == ("inbox", INBOX)
+    assert push_url(p, plain) == ("server", plain.url)  # its early legs wait in its server or engine client
 
 
 async def test_answers_are_kept_a_no_is_logged_once_and_a_worker_that_did_not_answer_is_asked_again(caplog):

@@ -19,6 +19,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterable
+from typing import Literal, get_args
 from urllib.parse import urlencode
 
 import httpx
@@ -28,10 +29,13 @@ from hybrid_pd.connector.contract import HANDOFF_PATH, HANDOFF_REACH_QUERY
 from hybrid_pd.router.registry import DECODERS, PREFILLERS, Registry, Worker
 from hybrid_pd.router.upstream import Upstream
 
-__all__ = ["RECHECK_S", "learn", "push_url", "to_ask", "watch"]
+__all__ = ["PUSH_PATHS", "RECHECK_S", "PushPath", "learn", "push_url", "to_ask", "watch"]
 
 log = logging.getLogger("hybrid_pd.router.inbox_reach")
 
+# Where a prefill's engine pushes: the decode worker's server, or its engine's inbox.
+PushPath = Literal["server", "inbox"]
+PUSH_PATHS: tuple[PushPath, ...] = get_args(PushPath)
 # A "no" is asked again after this long (a port opened since); a "yes" holds while both stay registered (a worker that
 # registers again is a new entry, asked afresh).
 RECHECK_S = 30.0
@@ -39,12 +43,12 @@ RECHECK_S = 30.0
 _ASK_TIMEOUT_S = 5.0
 
 
-def push_url(prefill: Worker, decode: Worker) -> str:
+def push_url(prefill: Worker, decode: Worker) -> tuple[PushPath, str]:
     """Where ``prefill``'s engine pushes an early leg's parameters for ``decode``: its engine's inbox where ``prefill`` said
     it reaches it, else its vLLM server (which holds the leg, or relays the push to its engine)."""
     inbox = decode.identity.handoff_inbox
     answer = prefill.inboxes.get(inbox) if inbox is not None else None
-    return inbox if inbox is not None and answer is not None and answer[0] else decode.url
+    return ("inbox", inbox) if inbox is not None and answer is not None and answer[0] else ("server", decode.url)
 
 
 def to_ask(workers: Iterable[Worker], now: float) -> list[tuple[Worker, str]]:

@@ -16,6 +16,7 @@ from typing import Literal, get_args
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from hybrid_pd.router.decider import LOCAL_REASONS, SPLIT_REASONS
+from hybrid_pd.router.inbox_reach import PUSH_PATHS
 from hybrid_pd.router.policies import PREFIX_OUTCOMES
 
 __all__ = ["MIGRATION_OUTCOMES", "OUTCOMES", "REFUSALS", "ROUTES", "Outcome", "Route", "RouterMetrics"]
@@ -101,6 +102,14 @@ class RouterMetrics:
             registry=r,
         )
         self.retries = Counter("hybrid_pd_retries", "Decode legs retried on another worker", registry=r)
+        self.early_legs = Counter(
+            "hybrid_pd_early_legs",
+            "Decode legs sent with their prefill leg, by where the prefill pushes the state's whereabouts: server (the decode "
+            "worker's, which holds the leg or relays to its engine), inbox (its engine's, the prefill said it reaches it: "
+            "hybrid_pd/router/inbox_reach.py)",
+            ["push"],
+            registry=r,
+        )
         self.migrations = Counter(
             "hybrid_pd_migrations", "Streams carried to another decode worker after theirs broke or stalled", ["outcome"], registry=r
         )
@@ -115,6 +124,8 @@ class RouterMetrics:
             self.fallbacks.labels(reason)
         for reason in SPLIT_REASONS:
             self.disaggregated.labels(reason)
+        for push in PUSH_PATHS:
+            self.early_legs.labels(push)
         for role in ("prefill", "decode"):
             self.prefix_reusable.labels(role)
             for outcome in PREFIX_OUTCOMES:

@@ -297,7 +297,9 @@ async def route(state: RouterState, path: str, body: dict[str, Any], request_id:
 def _handoff(state: RouterState, prefill: Worker, decode: Worker) -> Handoff | None:
     """An early decode leg's hand-off, where the router sends them and both workers take part; else None."""
     if state.settings.early_decode and prefill.identity.handoff and decode.identity.handoff:
-        return Handoff(uuid.uuid4().hex, push_url(prefill, decode))
+        path, url = push_url(prefill, decode)
+        state.metrics.early_legs.labels(path).inc()
+        return Handoff(uuid.uuid4().hex, url)
     return None
 
 
