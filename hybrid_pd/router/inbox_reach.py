@@ -15,7 +15,6 @@ Decides where a prefill pushes (:func:`push_url`) and learns what it decides fro
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Iterable
@@ -76,10 +75,10 @@ async def _ask(upstream: Upstream, prefill: Worker, inbox: str) -> bool | None:
         answer = await upstream.get(f"{prefill.url}{HANDOFF_PATH}?{urlencode({HANDOFF_REACH_QUERY: inbox})}", timeout=_ASK_TIMEOUT_S)
     except httpx.HTTPError:
         return None
-    reaches = None
-    with contextlib.suppress(ValueError, AttributeError):
-        reaches = answer.json().get("reaches") if answer.status_code == 200 else None
-    return reaches is True
+    try:
+        return answer.status_code == 200 and answer.json().get("reaches") is True
+    except (ValueError, AttributeError):
+        return False
 
 
 async def learn(upstream: Upstream, workers: Iterable[Worker], now: float | None = None) -> None:

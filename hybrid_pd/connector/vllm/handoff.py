@@ -107,7 +107,7 @@ class Outbox:
         """Send ``params`` for the early leg ``key`` to the decode worker at ``url`` (its server's http(s) URL, or its engine's
         inbox, ``tcp://host:port``: :mod:`hybrid_pd.connector.vllm.scheduler_hold`); returns at once."""
         if url.startswith("tcp://"):
-            self._push_to_engine(url, key, params)
+            self.push_to_engine(url, [(key, params)])
             return
         pending = self._queues.get(url)
         if pending is None:
@@ -115,9 +115,10 @@ class Outbox:
             threading.Thread(target=_send_forever, args=(url, pending), name="hybrid-pd-handoff", daemon=True).start()
         pending.put({"key": key, "params": params})
 
-    def _push_to_engine(self, url: str, key: str, params: dict[str, Any]) -> None:
-        """ZMQ to the decode engine's inbox, from this thread: a send that does not block (ZMQ's own thread moves it; it
-        queues while the peer connects); dropped, with a warning, where that queue is full (a decode worker long gone)."""
+    def push_to_engine(self, url: str, pushes: list[tuple[str, dict[str, Any]]]) -> None:
+        """``pushes`` (key, parameters) in one message over ZMQ to the decode engine's inbox at ``url``, from this thread: a
+        send that does not block (ZMQ's own thread moves it; it queues while the peer connects); dropped, with a warning,
+        where that queue is full (a decode worker long gone)."""
         import zmq
 
         socket = self._sockets.get(url)
@@ -126,10 +127,10 @@ class Outbox:
             socket.setsockopt(zmq.LINGER, 0)
             socket.connect(url)
         try:
-            socket.send(json.dumps([{"key": key, "params": params}]).encode(), zmq.NOBLOCK)
+            socket.send(json.dumps([{"key": key, "params": params} for key, params in pushes]).encode(), zmq.NOBLOCK)
         except zmq.Again:
-            log.warning("hand-off to %s dropped (its queue is full): that decode worker computes the prompt itself after %.0f s",
-                        url, WAIT_LIMIT_S)
+            log.warning("hand-off of %d to %s dropped (its queue is full): that decode worker computes those prompts itself "
+                        "after %.0f s", len(pushes), url, WAIT_LIMIT_S)
 
 
 def _send_forever(url: str, pending: queue.SimpleQueue[dict[str, Any]]) -> None:
@@ -222,8 +223,7 @@ class HandoffMiddleware:
             return
         if self._relay is not None:
             outbox, engine = self._relay
-            for key, params in pushes:
-                outbox.push(engine, key, params)
+            outbox.push_to_engine(engine, pushes)  # the POST's batch, one message
             await _answer(send, 204, b"")
             return
         self._arrived.put(pushes)
